@@ -1,0 +1,214 @@
+"""`pipec` command line: argument parsing and printing only; the work happens in the phase modules."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+
+from pipec.errors import PipecError, PipecInputError
+
+EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _assignment(text: str) -> tuple[str, int]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        return name.strip(), int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{name.strip()}: expected an integer value, got {value!r}") from None
+
+
+def _schedule_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("schedule", metavar="SCHEDULE", help="bundled name, .pipe file, torch .csv, .txt or .json")
+    parser.add_argument("--ranks", "-P", type=_positive, metavar="P", help="pipeline ranks")
+    parser.add_argument("--microbatches", "-M", type=_positive, metavar="M", help="micro-batches per step")
+    parser.add_argument("--chunks", "-V", type=_positive, metavar="V", help="stages per rank (default 1)")
+    parser.add_argument(
+        "--set", action="append", type=_assignment, default=[], metavar="NAME=VALUE", help="a named parameter"
+    )
+
+
+def _verify_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--p2p", choices=("nccl", "tagged"), default="nccl", help="point-to-point model (default nccl)")
+    parser.add_argument("--memory-limit", type=_positive, metavar="N", help="activation units each rank may hold")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pipec", description="A compiler for pipeline-parallel training schedules.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+
+    compile_cmd = commands.add_parser("compile", help="compile a schedule to per-rank instruction streams")
+    _schedule_args(compile_cmd)
+    _verify_args(compile_cmd)
+    compile_cmd.add_argument("--format", choices=("json", "text", "torch-csv", "torch-csv-comms"), default="text")
+    compile_cmd.add_argument("-o", "--output", metavar="PATH", help="write here instead of standard output")
+    compile_cmd.add_argument(
+        "--emit",
+        choices=("ast", "orders", "ir", "streams"),
+        help="stop after this phase and print its result (ast, compute orders, IR graph, streams)",
+    )
+    compile_cmd.add_argument("--no-verify", action="store_true", help="emit without running the verification passes")
+
+    check_cmd = commands.add_parser("check", help="verify a schedule and print per-pass verdicts")
+    _schedule_args(check_cmd)
+    _verify_args(check_cmd)
+
+    commands.add_parser("list", help="the bundled schedules with their parameters")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return {"compile": _compile, "check": _check, "list": _list}[args.command](args)
+    except PipecError as e:
+        print(e.render(), file=sys.stderr)
+        return e.exit_code
+    except BrokenPipeError:  # `pipec compile ... | head`
+        return EXIT_OK
+
+
+def _params(args: argparse.Namespace) -> dict[str, int]:
+    params: dict[str, int] = {}
+    for name, value in args.set:
+        if name in params:
+            raise PipecInputError(f"--set {name} is given twice")
+        params[name] = value
+    return params
+
+
+def _write(text: str, output: str | None) -> None:
+    if output is None:
+        sys.stdout.write(text)
+        return
+    try:
+        Path(output).write_text(text)
+    except OSError as e:
+        raise PipecInputError(f"cannot write {output}: {e.strerror or e}") from None
+
+
+def _compile(args: argparse.Namespace) -> int:
+    from pipec.compiler import compile_program, compute_orders, parse_schedule
+    from pipec.emit import dump_text, emit
+
+    if args.emit == "ast":
+        _write(dump_ast(parse_schedule(args.schedule)) + "\n", args.output)
+        return EXIT_OK
+    if args.emit == "orders":
+        program = compute_orders(args.schedule, args.ranks, args.microbatches, args.chunks, _params(args))
+        _write(dump_text(program), args.output)
+        return EXIT_OK
+    program = compile_program(args.schedule, args.ranks, args.microbatches, args.chunks, _params(args))
+    if args.emit == "ir":
+        _write(dump_graph(program), args.output)
+        return EXIT_OK
+    if not args.no_verify:
+        from pipec.verify import verify
+
+        report = verify(program, p2p=args.p2p, memory_limit=args.memory_limit)
+        if not report.ok:
+            print(report.render(), file=sys.stderr)
+            return EXIT_INVALID
+    _write(emit(program, "text" if args.emit == "streams" else args.format), args.output)
+    return EXIT_OK
+
+
+def _check(args: argparse.Namespace) -> int:
+    from pipec.compiler import compile_program
+    from pipec.verify import verify
+
+    program = compile_program(args.schedule, args.ranks, args.microbatches, args.chunks, _params(args))
+    report = verify(program, p2p=args.p2p, memory_limit=args.memory_limit)
+    p = program
+    print(f"{p.name}: P={p.ranks} M={p.microbatches} V={p.chunks}, {p.num_stages} stages, p2p model {args.p2p}")
+    print(report.render())
+    return EXIT_OK if report.ok else EXIT_INVALID
+
+
+def _list(args: argparse.Namespace) -> int:
+    from pipec.frontend.parser import parse
+    from pipec.library import bundled_names, bundled_source
+
+    rows = []
+    for name in bundled_names():
+        schedule = parse(bundled_source(name), f"{name}.pipe")
+        params = ", ".join(p.name + ("" if p.default is None else f"={_expr_text(p.default)}") for p in schedule.params)
+        rows.append((name, params, schedule.description))
+    width = max(len(r[0]) for r in rows)
+    pwidth = max(len(r[1]) for r in rows)
+    for name, params, description in rows:
+        print(f"{name:<{width}}  {params:<{pwidth}}  {description}")
+    return EXIT_OK
+
+
+def _expr_text(expr: object) -> str:
+    from pipec.frontend import ast
+
+    if isinstance(expr, ast.Int):
+        return str(expr.value)
+    if isinstance(expr, ast.Var):
+        return expr.name
+    return "..."
+
+
+def dump_ast(node: object, indent: int = 0) -> str:
+    """An indented, diff-friendly dump of the AST (spans shown as line:col)."""
+    pad = "  " * indent
+    if isinstance(node, tuple):
+        if not node:
+            return "()"
+        return "\n".join(pad + "- " + dump_ast(item, indent + 1).lstrip() for item in node)
+    if not is_dataclass(node):
+        return repr(node)
+    name = type(node).__name__
+    if name == "Span":
+        return f"{node.line}:{node.column}"  # type: ignore[attr-defined]
+    lines = [f"{name}"]
+    for field in fields(node):
+        if field.name == "span":
+            continue
+        value = getattr(node, field.name)
+        text = dump_ast(value, indent + 2)
+        if "\n" in text or (isinstance(value, tuple) and value) or is_dataclass(value):
+            lines.append(f"{pad}  {field.name}:\n{text if text.startswith(pad) else pad + '    ' + text}")
+        else:
+            lines.append(f"{pad}  {field.name}: {text}")
+    return "\n".join(lines)
+
+
+def dump_graph(program: object) -> str:
+    """The IR DAG as a table: one node a line with its rank, position and incoming edges by kind."""
+    from pipec.ir import build_graph
+
+    graph = build_graph(program)  # type: ignore[arg-type]
+    lines = [f"# {graph.number_of_nodes()} nodes, {graph.number_of_edges()} edges", "rank  index  node        inputs"]
+    order = sorted(graph.nodes(data=True), key=lambda item: (item[1]["rank"], item[1]["index"]))
+    for node, data in order:
+        inputs = ", ".join(f"{pred}({graph.edges[pred, node]['kind']})" for pred in graph.predecessors(node))
+        lines.append(f"{data['rank']:>4}  {data['index']:>5}  {node!s:<10}  {inputs}")
+    return "\n".join(lines) + "\n"
+
+
+def entry_point() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry_point()

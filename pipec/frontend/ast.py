@@ -1,0 +1,217 @@
+"""The syntax tree of a .pipe file: small frozen dataclasses, each with the span it came from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipec.errors import Span
+
+# ---- expressions -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Int:
+    value: int
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Var:
+    name: str
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    func: str
+    args: tuple[Expr, ...]
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class BinOp:
+    op: str  # one of + - * // % == != < <= > >= and or
+    left: Expr
+    right: Expr
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Unary:
+    op: str  # "-" or "not"
+    operand: Expr
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Cond:
+    test: Expr
+    then: Expr
+    otherwise: Expr
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class OpRef:
+    """An op as written: `F`, `B[1]`, `I[c] @ m`, `W?`, `W[0]`."""
+
+    kind: str  # F, B, I or W
+    chunk: Expr | None
+    at: Expr | None  # explicit micro-batch
+    if_pending: bool  # `W?`: emit only when a weight gradient is pending
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Count:
+    """`count(F[c])`: how many micro-batches that op's counter has handed out on this rank."""
+
+    op: OpRef
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """`pending(W)` / `pending(W[c])`: weight gradients queued by I and not yet emitted."""
+
+    op: OpRef
+    span: Span
+
+
+Expr = Int | Var | Call | BinOp | Unary | Cond | Count | Pending
+
+# ---- statements of a per-rank program ----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    """`F[0] & B[1]`: two ops overlapped in one instruction (DualPipe)."""
+
+    first: OpRef
+    second: OpRef
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Emit:
+    items: tuple[OpRef | Pair, ...]
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Assign:
+    name: str
+    value: Expr
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    op: OpRef
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Pass:
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Repeat:
+    count: Expr
+    body: tuple[Stmt, ...]
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class For:
+    var: str
+    start: Expr
+    stop: Expr
+    body: tuple[Stmt, ...]
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class While:
+    test: Expr
+    body: tuple[Stmt, ...]
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class If:
+    branches: tuple[tuple[Expr, tuple[Stmt, ...]], ...]
+    otherwise: tuple[Stmt, ...]
+    span: Span
+
+
+Stmt = Emit | Assign | Drain | Pass | Repeat | For | While | If
+
+# ---- declarations ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    name: str
+    default: Expr | None
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Let:
+    name: str
+    value: Expr
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Require:
+    test: Expr
+    message: str
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """`placement loop`, `placement v`, `placement [0, 1, 1, 0]` or `placement s -> expr`."""
+
+    style: str  # "loop", "v", "list" or "formula"
+    items: tuple[Expr, ...]  # the list, or the one formula
+    var: str | None  # the stage variable of a formula
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """`memory EXPR` or `memory per rank r: EXPR`: the activation-memory bound each rank must keep."""
+
+    value: Expr
+    rank_var: str | None
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class RankList:
+    """`rank 0: 0F0 0F1 0B0`: a literal order for one rank (hand-made schedules)."""
+
+    rank: int
+    actions: tuple[tuple[str, Span], ...]
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    name: str
+    description: str
+    params: tuple[Param, ...]
+    header: tuple[Let | Require, ...]  # in source order: a require may use the lets above it
+    stages: Expr | None
+    placement: Placement | None
+    memory: Memory | None
+    drop_padded: bool
+    forward_only: bool  # inference: no backward ops at all
+    rank_var: str | None
+    body: tuple[Stmt, ...] | None
+    rank_lists: tuple[RankList, ...]
+    span: Span

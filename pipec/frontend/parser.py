@@ -1,0 +1,404 @@
+"""Parse .pipe text into the AST. The only module that imports Lark; Lark's errors become PipecSyntaxError."""
+
+from __future__ import annotations
+
+from functools import cache
+from importlib import resources
+from typing import Any
+
+from lark import Lark, Token, Transformer, Tree, v_args
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
+from lark.indenter import DedentError, Indenter
+
+from pipec.errors import PipecSyntaxError, Span
+from pipec.frontend import ast
+
+
+class PipeIndenter(Indenter):
+    NL_type = "_NL"
+    OPEN_PAREN_types = ("LPAR", "LSQB")
+    CLOSE_PAREN_types = ("RPAR", "RSQB")
+    INDENT_type = "_INDENT"
+    DEDENT_type = "_DEDENT"
+    tab_len = 8
+
+
+@cache
+def _lark() -> Lark:
+    grammar = resources.files("pipec").joinpath("grammar/pipe.lark").read_text()
+    return Lark(grammar, parser="lalr", postlex=PipeIndenter(), propagate_positions=True, maybe_placeholders=False)
+
+
+_TOKEN_NAMES = {
+    "_NL": "end of line",
+    "_INDENT": "an indented block",
+    "_DEDENT": "end of block",
+    "$END": "end of file",
+    "NAME": "a name",
+    "SCHEDULE_NAME": "a schedule name",
+    "INT": "an integer",
+    "STRING": 'a "string"',
+    "OPKIND": "an op (F, B, I or W)",
+    "ACTION": "an action such as 0F1",
+    "COLON": "':'",
+    "COMMA": "','",
+    "LPAR": "'('",
+    "RPAR": "')'",
+    "LSQB": "'['",
+    "RSQB": "']'",
+    "EQUAL": "'='",
+}
+
+
+def _describe_expected(expected: set[str]) -> str:
+    names = sorted({_TOKEN_NAMES.get(name, name.lower().replace("_", " ")) for name in expected})
+    if len(names) > 8:
+        names = [*names[:8], "..."]
+    return ", ".join(names)
+
+
+def parse(text: str, filename: str = "<string>") -> ast.Schedule:
+    """Parse one .pipe file. Raises PipecSyntaxError with file:line:col on any error."""
+    if not text.endswith("\n"):
+        text += "\n"
+    try:
+        tree = _lark().parse(text)
+    except UnexpectedCharacters as e:
+        span = Span(filename, e.line, e.column, e.line, e.column + 1, text)
+        raise PipecSyntaxError(f"unexpected character {text[e.pos_in_stream]!r}", span) from None
+    except UnexpectedToken as e:
+        token = e.token
+        line = token.line if token.line is not None else e.line
+        column = token.column if token.column is not None else e.column
+        if token.type == "$END" or line is None or line < 1:
+            line, column = _end_position(text)
+        what = "end of file" if token.type == "$END" else _TOKEN_NAMES.get(token.type, repr(str(token)))
+        if token.type not in _TOKEN_NAMES and token.type != "$END":
+            what = repr(str(token))
+        width = max(1, len(str(token))) if token.type not in ("_NL", "_DEDENT", "_INDENT", "$END") else 1
+        span = Span(filename, line, column, line, column + width, text)
+        raise PipecSyntaxError(f"unexpected {what}; expected {_describe_expected(set(e.expected))}", span) from None
+    except UnexpectedEOF as e:
+        line, column = _end_position(text)
+        span = Span(filename, line, column, line, column + 1, text)
+        raise PipecSyntaxError(
+            f"unexpected end of file; expected {_describe_expected(set(e.expected))}", span
+        ) from None
+    except UnexpectedInput as e:  # pragma: no cover - other Lark input errors
+        span = Span(filename, e.line, e.column, e.line, e.column + 1, text)
+        raise PipecSyntaxError(str(e).splitlines()[0], span) from None
+    except DedentError as e:
+        line = _dedent_line(text)
+        span = Span(filename, line, 1, line, 2, text)
+        raise PipecSyntaxError(f"inconsistent indentation ({e})", span) from None
+    try:
+        return _ToAst(filename, text).transform(tree)
+    except VisitError as e:
+        if isinstance(e.orig_exc, PipecSyntaxError):
+            raise e.orig_exc from None
+        raise
+
+
+def _end_position(text: str) -> tuple[int, int]:
+    lines = text.rstrip("\n").splitlines() or [""]
+    return len(lines), len(lines[-1]) + 1
+
+
+def _dedent_line(text: str) -> int:
+    """The first line whose indentation matches no enclosing block (for DedentError, which has no position)."""
+    stack = [0]
+    for number, line in enumerate(text.splitlines(), 1):
+        stripped = line.lstrip(" \t")
+        if not stripped or stripped.startswith("#"):
+            continue
+        indent = len(line.expandtabs(8)) - len(stripped.expandtabs(8))
+        if indent > stack[-1]:
+            stack.append(indent)
+        else:
+            while indent < stack[-1]:
+                stack.pop()
+            if indent != stack[-1]:
+                return number
+    return 1
+
+
+def _unquote(token: Token) -> str:
+    return str(token)[1:-1]
+
+
+class _ToAst(Transformer):
+    """Builds frozen AST nodes, giving each the span of the tree or token it came from."""
+
+    def __init__(self, filename: str, text: str) -> None:
+        super().__init__()
+        self.filename = filename
+        self.text = text
+
+    def _span(self, node: Any) -> Span:
+        meta = node.meta if isinstance(node, Tree) else node
+        line = getattr(meta, "line", None) or 1
+        column = getattr(meta, "column", None) or 1
+        end_line = getattr(meta, "end_line", None) or line
+        end_column = getattr(meta, "end_column", None) or column + 1
+        return Span(self.filename, line, column, end_line, end_column, self.text)
+
+    def _error(self, message: str, node: Any) -> PipecSyntaxError:
+        return PipecSyntaxError(message, self._span(node))
+
+    # Lark calls each rule's method with (meta, children) thanks to v_args(meta=True).
+    def __default__(self, data: str, children: list[Any], meta: Any) -> Any:  # pragma: no cover
+        raise NotImplementedError(data)
+
+    # -- expressions
+    @v_args(meta=True)
+    def int(self, meta: Any, children: list[Token]) -> ast.Int:
+        return ast.Int(int(children[0]), self._span(children[0]))
+
+    @v_args(meta=True)
+    def var(self, meta: Any, children: list[Token]) -> ast.Var:
+        return ast.Var(str(children[0]), self._span(children[0]))
+
+    @v_args(meta=True)
+    def call(self, meta: Any, children: list[Any]) -> ast.Call:
+        name, *args = children
+        return ast.Call(str(name), tuple(args), self._span(meta))
+
+    def _binop(op: str):  # noqa: N805 - a factory used in the class body
+        @v_args(meta=True)
+        def build(self: _ToAst, meta: Any, children: list[Any]) -> ast.BinOp:
+            return ast.BinOp(op, children[0], children[1], self._span(meta))
+
+        return build
+
+    add, sub, mul, floordiv, mod = _binop("+"), _binop("-"), _binop("*"), _binop("//"), _binop("%")
+    eq, ne, lt, le, gt, ge = _binop("=="), _binop("!="), _binop("<"), _binop("<="), _binop(">"), _binop(">=")
+    and_, or_ = _binop("and"), _binop("or")
+
+    @v_args(meta=True)
+    def neg(self, meta: Any, children: list[Any]) -> ast.Unary:
+        return ast.Unary("-", children[0], self._span(meta))
+
+    @v_args(meta=True)
+    def not_(self, meta: Any, children: list[Any]) -> ast.Unary:
+        return ast.Unary("not", children[0], self._span(meta))
+
+    @v_args(meta=True)
+    def cond(self, meta: Any, children: list[Any]) -> ast.Cond:
+        then, test, otherwise = children
+        return ast.Cond(test, then, otherwise, self._span(meta))
+
+    @v_args(meta=True)
+    def count(self, meta: Any, children: list[Any]) -> ast.Count:
+        return ast.Count(children[0], self._span(meta))
+
+    @v_args(meta=True)
+    def pending(self, meta: Any, children: list[Any]) -> ast.Pending:
+        op = children[0]
+        if op.kind != "W":
+            raise self._error("pending(...) counts weight gradients: write pending(W) or pending(W[c])", meta)
+        return ast.Pending(op, self._span(meta))
+
+    # -- ops
+    def chunk(self, children: list[Any]) -> tuple[str, Any]:
+        return ("chunk", children[0])
+
+    def at(self, children: list[Any]) -> tuple[str, Any]:
+        return ("at", children[0])
+
+    @v_args(meta=True)
+    def op(self, meta: Any, children: list[Any]) -> ast.OpRef:
+        return self._op(meta, children, if_pending=False)
+
+    @v_args(meta=True)
+    def op_if_pending(self, meta: Any, children: list[Any]) -> ast.OpRef:
+        return self._op(meta, children, if_pending=True)
+
+    def _op(self, meta: Any, children: list[Any], if_pending: bool) -> ast.OpRef:
+        kind = str(children[0])
+        parts = dict(children[1:])
+        if if_pending and kind != "W":
+            raise self._error(f"'{kind}?' is not an op: only W may be emitted if pending ('W?')", meta)
+        if kind == "W" and "at" in parts:
+            raise self._error("W takes no explicit micro-batch: it emits the oldest pending weight gradient", meta)
+        return ast.OpRef(kind, parts.get("chunk"), parts.get("at"), if_pending, self._span(meta))
+
+    @v_args(meta=True)
+    def pair(self, meta: Any, children: list[Any]) -> ast.Pair:
+        first, second = children
+        for part in (first, second):
+            if part.if_pending:
+                raise self._error("an overlapped pair must emit both of its ops: 'W?' cannot be one", meta)
+        return ast.Pair(first, second, self._span(meta))
+
+    # -- statements
+    @v_args(meta=True)
+    def emit(self, meta: Any, children: list[Any]) -> ast.Emit:
+        return ast.Emit(tuple(children), self._span(meta))
+
+    @v_args(meta=True)
+    def assign(self, meta: Any, children: list[Any]) -> ast.Assign:
+        return ast.Assign(str(children[0]), children[1], self._span(meta))
+
+    @v_args(meta=True)
+    def drain(self, meta: Any, children: list[Any]) -> ast.Drain:
+        op = children[0]
+        if op.kind != "W" or op.if_pending:
+            raise self._error("drain takes W or W[c]: it emits every pending weight gradient", meta)
+        return ast.Drain(op, self._span(meta))
+
+    @v_args(meta=True)
+    def pass_stmt(self, meta: Any, children: list[Any]) -> ast.Pass:
+        return ast.Pass(self._span(meta))
+
+    def simple_stmt(self, children: list[Any]) -> list[Any]:
+        return children
+
+    def suite(self, children: list[Any]) -> tuple[Any, ...]:
+        out: list[Any] = []
+        for child in children:
+            out.extend(child if isinstance(child, list) else [child])
+        return tuple(out)
+
+    @v_args(meta=True)
+    def repeat_stmt(self, meta: Any, children: list[Any]) -> ast.Repeat:
+        return ast.Repeat(children[0], children[1], self._span(meta))
+
+    @v_args(meta=True)
+    def for_stmt(self, meta: Any, children: list[Any]) -> ast.For:
+        var, start, stop, body = children
+        return ast.For(str(var), start, stop, body, self._span(meta))
+
+    @v_args(meta=True)
+    def while_stmt(self, meta: Any, children: list[Any]) -> ast.While:
+        return ast.While(children[0], children[1], self._span(meta))
+
+    def elif_clause(self, children: list[Any]) -> tuple[str, Any, Any]:
+        return ("elif", children[0], children[1])
+
+    def else_clause(self, children: list[Any]) -> tuple[str, Any]:
+        return ("else", children[0])
+
+    @v_args(meta=True)
+    def if_stmt(self, meta: Any, children: list[Any]) -> ast.If:
+        branches = [(children[0], children[1])]
+        otherwise: tuple[Any, ...] = ()
+        for clause in children[2:]:
+            if clause[0] == "elif":
+                branches.append((clause[1], clause[2]))
+            else:
+                otherwise = clause[1]
+        return ast.If(tuple(branches), otherwise, self._span(meta))
+
+    # -- declarations
+    def schedule_decl(self, children: list[Token]) -> tuple[str, Token, str]:
+        name = children[0]
+        description = _unquote(children[1]) if len(children) > 1 else ""
+        return ("schedule", name, description)
+
+    @v_args(meta=True)
+    def param(self, meta: Any, children: list[Any]) -> ast.Param:
+        return ast.Param(str(children[0]), children[1] if len(children) > 1 else None, self._span(meta))
+
+    def params_decl(self, children: list[ast.Param]) -> tuple[str, tuple[ast.Param, ...]]:
+        return ("params", tuple(children))
+
+    @v_args(meta=True)
+    def let_decl(self, meta: Any, children: list[Any]) -> ast.Let:
+        return ast.Let(str(children[0]), children[1], self._span(meta))
+
+    @v_args(meta=True)
+    def require_decl(self, meta: Any, children: list[Any]) -> ast.Require:
+        return ast.Require(children[0], _unquote(children[1]), self._span(meta))
+
+    @v_args(meta=True)
+    def stages_decl(self, meta: Any, children: list[Any]) -> tuple[str, Any, Any]:
+        return ("stages", children[0], meta)
+
+    @v_args(meta=True)
+    def placement_named(self, meta: Any, children: list[Token]) -> ast.Placement:
+        style = str(children[0])
+        if style not in ("loop", "v"):
+            raise self._error(
+                f"unknown placement {style!r}: use loop, v, a list [r0, r1, ...] or a formula 's -> expr'",
+                children[0],
+            )
+        return ast.Placement(style, (), None, self._span(meta))
+
+    @v_args(meta=True)
+    def placement_list(self, meta: Any, children: list[Any]) -> ast.Placement:
+        return ast.Placement("list", tuple(children), None, self._span(meta))
+
+    @v_args(meta=True)
+    def placement_formula(self, meta: Any, children: list[Any]) -> ast.Placement:
+        return ast.Placement("formula", (children[1],), str(children[0]), self._span(meta))
+
+    @v_args(meta=True)
+    def placement_decl(self, meta: Any, children: list[Any]) -> tuple[str, Any, Any]:
+        return ("placement", children[0], meta)
+
+    @v_args(meta=True)
+    def memory_decl(self, meta: Any, children: list[Any]) -> tuple[str, Any, Any]:
+        return ("memory", ast.Memory(children[0], None, self._span(meta)), meta)
+
+    @v_args(meta=True)
+    def memory_per_rank(self, meta: Any, children: list[Any]) -> tuple[str, Any, Any]:
+        return ("memory", ast.Memory(children[1], str(children[0]), self._span(meta)), meta)
+
+    @v_args(meta=True)
+    def drop_decl(self, meta: Any, children: list[Any]) -> tuple[str, bool, Any]:
+        return ("drop", True, meta)
+
+    @v_args(meta=True)
+    def forward_decl(self, meta: Any, children: list[Any]) -> tuple[str, bool, Any]:
+        return ("forward_only", True, meta)
+
+    @v_args(meta=True)
+    def per_rank(self, meta: Any, children: list[Any]) -> tuple[str, Any, Any]:
+        return ("per_rank", (str(children[0]), children[1]), meta)
+
+    @v_args(meta=True)
+    def rank_list(self, meta: Any, children: list[Token]) -> ast.RankList:
+        rank, *actions = children
+        return ast.RankList(int(rank), tuple((str(a), self._span(a)) for a in actions), self._span(meta))
+
+    @v_args(meta=True)
+    def start(self, meta: Any, children: list[Any]) -> ast.Schedule:
+        _, name, description = children[0]
+        found: dict[str, Any] = {}
+        params: tuple[ast.Param, ...] = ()
+        header: list[ast.Let | ast.Require] = []
+        rank_lists: list[ast.RankList] = []
+        for decl in children[1:]:
+            if isinstance(decl, (ast.Let, ast.Require)):
+                header.append(decl)
+            elif isinstance(decl, ast.RankList):
+                rank_lists.append(decl)
+            elif decl[0] == "params":
+                if params:
+                    raise PipecSyntaxError("'params' is declared twice", decl[1][0].span)
+                params = decl[1]
+            else:
+                key, value, where = decl
+                if key in found:
+                    raise self._error(f"'{key.replace('_', ' ')}' is declared twice", where)
+                found[key] = value
+        per_rank = found.get("per_rank")
+        if per_rank is not None and rank_lists:
+            raise self._error("a schedule has either a 'per rank' program or literal 'rank N:' lists, not both", meta)
+        if per_rank is None and not rank_lists:
+            raise self._error("the schedule has no order: add a 'per rank r:' program or 'rank N:' lists", name)
+        return ast.Schedule(
+            name=str(name),
+            description=description,
+            params=params,
+            header=tuple(header),
+            stages=found.get("stages"),
+            placement=found.get("placement"),
+            memory=found.get("memory"),
+            drop_padded=found.get("drop", False),
+            forward_only=found.get("forward_only", False),
+            rank_var=per_rank[0] if per_rank else None,
+            body=per_rank[1] if per_rank else None,
+            rank_lists=tuple(rank_lists),
+            span=self._span(name),
+        )

@@ -1,0 +1,199 @@
+"""The intermediate representation: ops, instructions, programs, and the dependency DAG.
+
+A ``Program`` is the compiled schedule: per-rank instruction streams plus the facts they were compiled
+for (P, M, V, placement, memory bound). ``build_graph`` lowers it to a NetworkX DiGraph for inspection
+and for passes that want a graph; the hot paths (expansion, verification, simulation) work on the flat
+per-rank streams, which is what keeps them linear in the number of ops.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import TYPE_CHECKING, NamedTuple
+
+from pipec.errors import PipecSyntaxError
+
+if TYPE_CHECKING:
+    import networkx as nx
+
+
+class Kind(str, Enum):
+    F = "F"  # forward
+    B = "B"  # full backward (I and W at once)
+    I = "I"  # noqa: E741 - backward for inputs, the paper's and torch's name
+    W = "W"  # backward for weights
+    SEND_F = "SEND_F"  # send F's output activation to the next stage
+    RECV_F = "RECV_F"  # receive this F's input activation from the previous stage
+    SEND_B = "SEND_B"  # send the input gradient to the previous stage
+    RECV_B = "RECV_B"  # receive the output gradient from the next stage
+
+    @property
+    def is_compute(self) -> bool:
+        return self in COMPUTE_KINDS
+
+    @property
+    def is_comm(self) -> bool:
+        return not self.is_compute
+
+
+COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
+BACKWARD_KINDS = frozenset({Kind.B, Kind.I})
+
+
+class Action(NamedTuple):
+    """One op on one (stage, micro-batch). Its text form is torch's: `2F0`, `1SEND_B3`."""
+
+    stage: int
+    kind: Kind
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.mb}"
+
+    @property
+    def parts(self) -> tuple[Action, ...]:
+        return (self,)
+
+
+class Overlap(NamedTuple):
+    """Two compute actions run as one instruction (DualPipe's overlapped F and B of two micro-batches)."""
+
+    first: Action
+    second: Action
+
+    def __str__(self) -> str:
+        return f"({self.first};{self.second})OVERLAP_F_B"
+
+    @property
+    def parts(self) -> tuple[Action, ...]:
+        return (self.first, self.second)
+
+
+Instruction = Action | Overlap
+
+_ACTION_RE = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)")
+_OVERLAP_RE = re.compile(r"\(([^;()]+);([^;()]+)\)OVERLAP_F_B")
+
+
+def parse_instruction(text: str) -> Instruction:
+    """The inverse of ``str(instruction)``; also accepts the .pipe literal pair form `0F1&1B2`."""
+    text = text.strip()
+    if m := _ACTION_RE.fullmatch(text):
+        return Action(int(m[1]), Kind(m[2]), int(m[3]))
+    m = _OVERLAP_RE.fullmatch(text)
+    halves = (m[1], m[2]) if m else tuple(text.split("&")) if text.count("&") == 1 else None
+    if halves:
+        first, second = (parse_instruction(h) for h in halves)
+        if (
+            isinstance(first, Action)
+            and isinstance(second, Action)
+            and first.kind.is_compute
+            and second.kind.is_compute
+        ):
+            return Overlap(first, second)
+    raise PipecSyntaxError(
+        f"{text!r} is not an action: expected STAGE KIND MICROBATCH such as 0F1, 2I0, 1SEND_F3 "
+        "or an overlapped pair (0F1;1B2)OVERLAP_F_B"
+    )
+
+
+def v_placement(ranks: int, stages: int) -> tuple[int, ...]:
+    """Stage -> rank for the V (zig-zag) shape: rank r holds stages r, 2P-1-r, 2P+r, ..."""
+    return tuple(s % ranks if (s // ranks) % 2 == 0 else ranks - 1 - s % ranks for s in range(stages))
+
+
+def loop_placement(ranks: int, stages: int) -> tuple[int, ...]:
+    """Stage -> rank for Megatron's looped placement: s -> s mod P."""
+    return tuple(s % ranks for s in range(stages))
+
+
+@dataclass(frozen=True)
+class Program:
+    """A compiled schedule: per-rank instruction streams and the parameters they were compiled for."""
+
+    name: str
+    ranks: int
+    microbatches: int
+    chunks: int
+    stage_to_rank: tuple[int, ...]
+    streams: tuple[tuple[Instruction, ...], ...]
+    memory_bound: tuple[int, ...] | None = None
+    params: dict[str, int] = field(default_factory=dict)
+    description: str = ""
+    source: str = ""
+    has_comms: bool = False
+    forward_only: bool = False  # inference: every stage runs F only
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_to_rank)
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
+
+    def compute_streams(self) -> tuple[tuple[Instruction, ...], ...]:
+        """The streams without send/recv instructions."""
+        return tuple(
+            tuple(i for i in stream if not (isinstance(i, Action) and i.kind.is_comm)) for stream in self.streams
+        )
+
+    def with_streams(self, streams: tuple[tuple[Instruction, ...], ...], has_comms: bool) -> Program:
+        return replace(self, streams=streams, has_comms=has_comms)
+
+    def check(self, p2p: str = "nccl", memory_limit: int | None = None):
+        """Run every verification pass; raises ScheduleError when the schedule is invalid."""
+        from pipec.verify import verify
+
+        report = verify(self, p2p=p2p, memory_limit=memory_limit)
+        report.raise_if_failed()
+        return report
+
+    def graph(self) -> nx.DiGraph:
+        return build_graph(self)
+
+
+def build_graph(program: Program) -> nx.DiGraph:
+    """Lower a program to its dependency DAG.
+
+    Nodes are Actions (hashable NamedTuples) with attributes ``rank`` and ``index`` (position in the rank's
+    stream; both halves of an overlapped pair share it). Edges carry ``kind``:
+    ``data`` (F(s,m)->F(s+1,m), F(s,m)->B/I(s,m), B/I(s+1,m)->B/I(s,m), I(s,m)->W(s,m)),
+    ``program`` (consecutive instructions of one rank) and ``p2p`` (SEND -> its RECV).
+    """
+    import networkx as nx
+
+    graph = nx.DiGraph(name=program.name, ranks=program.ranks, microbatches=program.microbatches)
+    last_stage = program.num_stages - 1
+    for rank, stream in enumerate(program.streams):
+        previous: tuple[Action, ...] = ()
+        for index, instruction in enumerate(stream):
+            parts = instruction.parts
+            for action in parts:
+                graph.add_node(action, rank=rank, index=index)
+                for before in previous:
+                    graph.add_edge(before, action, kind="program")
+            previous = parts
+    for node in list(graph.nodes):
+        stage, kind, mb = node
+        if kind is Kind.F and stage < last_stage:
+            _add_data_edge(graph, node, Action(stage + 1, Kind.F, mb))
+        if kind is Kind.F:
+            _add_data_edge(graph, node, Action(stage, Kind.B, mb))
+            _add_data_edge(graph, node, Action(stage, Kind.I, mb))
+        if kind in BACKWARD_KINDS and stage > 0:
+            _add_data_edge(graph, node, Action(stage - 1, Kind.B, mb))
+            _add_data_edge(graph, node, Action(stage - 1, Kind.I, mb))
+        if kind is Kind.I:
+            _add_data_edge(graph, node, Action(stage, Kind.W, mb))
+        if kind is Kind.SEND_F:
+            _add_data_edge(graph, node, Action(stage + 1, Kind.RECV_F, mb), "p2p")
+        if kind is Kind.SEND_B:
+            _add_data_edge(graph, node, Action(stage - 1, Kind.RECV_B, mb), "p2p")
+    return graph
+
+
+def _add_data_edge(graph: nx.DiGraph, source: Action, target: Action, kind: str = "data") -> None:
+    if target in graph:
+        graph.add_edge(source, target, kind=kind)

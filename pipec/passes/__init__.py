@@ -1,0 +1,1 @@
+"""Lowering passes: Program -> Program."""

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import fields, is_dataclass
 from pathlib import Path
+from types import ModuleType
 
 from pipec.errors import PipecError, PipecInputError
 
@@ -70,14 +71,45 @@ def build_parser() -> argparse.ArgumentParser:
     _verify_args(check_cmd)
 
     commands.add_parser("list", help="the bundled schedules with their parameters")
+
+    for name, (module_name, help_text) in COMMAND_MODULES.items():
+        module = _command_module(module_name)
+        if module is not None:
+            sub = commands.add_parser(name, help=help_text)
+            _schedule_args(sub)
+            module.add_arguments(sub)
+            sub.set_defaults(handler=module.main)
     return parser
+
+
+# Commands implemented in their phase's package. Each module offers `add_arguments(parser)` (the SCHEDULE,
+# --ranks, --microbatches, --chunks and --set arguments are already there) and `main(args) -> exit code`,
+# and must not import torch at module level: `pipec --help` and `pipec compile` stay fast.
+COMMAND_MODULES = {
+    "simulate": ("pipec.sim.command", "simulate a schedule with a cost model: makespan, bubble, memory"),
+    "viz": ("pipec.viz.command", "draw a schedule (SVG Gantt chart) or write a Chrome/Perfetto trace"),
+    "run": ("pipec.runtime.command", "train a model with the schedule on torch.distributed"),
+    "test": ("pipec.testing.command", "property-based check of a schedule over many (P, M, V)"),
+}
+
+
+def _command_module(name: str) -> ModuleType | None:
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and name.startswith(e.name):
+            return None  # that phase is not built yet
+        raise
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return {"compile": _compile, "check": _check, "list": _list}[args.command](args)
+        handler = getattr(args, "handler", None) or {"compile": _compile, "check": _check, "list": _list}[args.command]
+        return handler(args)
     except PipecError as e:
         print(e.render(), file=sys.stderr)
         return e.exit_code

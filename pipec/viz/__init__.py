@@ -1,0 +1,1 @@
+"""Pictures of schedules: SVG Gantt charts, Chrome/Perfetto traces and terminal grids."""

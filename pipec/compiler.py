@@ -55,7 +55,10 @@ def compute_orders(
         return load_json(text, filename, expected)
     if ranks is None:
         raise PipecInputError("the number of ranks is required (--ranks P)")
-    return expand(parse(text, filename), ranks, microbatches, chunks, params, source=filename)
+    try:
+        return expand(parse(text, filename), ranks, microbatches, chunks, params, source=filename)
+    except RecursionError:
+        raise PipecInputError(f"{filename}: expressions or blocks are nested too deeply to compile") from None
 
 
 def compile_program(

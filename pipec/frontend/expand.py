@@ -489,8 +489,8 @@ def expand(
         stages = _evaluate(schedule.stages, env) if schedule.stages is not None else env["P"] * env["V"]
         if stages != env["P"] * env["V"]:
             raise PipecInputError(
-                f"the schedule has {stages} stages, not P * V = {env['P']} * {env['V']}: "
-                "every rank holds V stages (add a require with a clearer message)",
+                f"the schedule declares {stages} stages, but P * V = {env['P']} * {env['V']} = "
+                f"{env['P'] * env['V']}: each of the P ranks holds V stages",
                 schedule.stages.span if schedule.stages is not None else schedule.span,
             )
         env["S"] = stages

@@ -31,7 +31,7 @@ def _lark() -> Lark:
 
 _TOKEN_NAMES = {
     "_NL": "end of line",
-    "_INDENT": "an indented block",
+    "_INDENT": "indentation",
     "_DEDENT": "end of block",
     "$END": "end of file",
     "NAME": "a name",
@@ -50,10 +50,26 @@ _TOKEN_NAMES = {
 }
 
 
+def _describe_terminal(name: str) -> str:
+    if name in _TOKEN_NAMES:
+        return _TOKEN_NAMES[name]
+    try:
+        pattern = _lark().get_terminal(name).pattern
+    except KeyError:
+        return name.lower()
+    return repr(pattern.value) if pattern.type == "str" else name.lower()
+
+
 def _describe_expected(expected: set[str]) -> str:
-    names = sorted({_TOKEN_NAMES.get(name, name.lower().replace("_", " ")) for name in expected})
-    if len(names) > 8:
-        names = [*names[:8], "..."]
+    # Structure first: a missing ':' or ')' is the likeliest mistake, the operators that could continue an
+    # expression the least informative.
+    first = ("':'", "')'", "']'", "','", "'..'", "end of line")
+    names = sorted(
+        {_describe_terminal(name) for name in expected},
+        key=lambda n: (n not in first, first.index(n) if n in first else 0, n),
+    )
+    if len(names) > 10:
+        names = [*names[:10], "..."]
     return ", ".join(names)
 
 
@@ -72,8 +88,9 @@ def parse(text: str, filename: str = "<string>") -> ast.Schedule:
         column = token.column if token.column is not None else e.column
         if token.type == "$END" or line is None or line < 1:
             line, column = _end_position(text)
-        what = "end of file" if token.type == "$END" else _TOKEN_NAMES.get(token.type, repr(str(token)))
-        if token.type not in _TOKEN_NAMES and token.type != "$END":
+        if token.type in ("_NL", "_INDENT", "_DEDENT", "$END"):
+            what = _TOKEN_NAMES[token.type]
+        else:
             what = repr(str(token))
         width = max(1, len(str(token))) if token.type not in ("_NL", "_DEDENT", "_INDENT", "$END") else 1
         span = Span(filename, line, column, line, column + width, text)
@@ -87,10 +104,10 @@ def parse(text: str, filename: str = "<string>") -> ast.Schedule:
     except UnexpectedInput as e:  # pragma: no cover - other Lark input errors
         span = Span(filename, e.line, e.column, e.line, e.column + 1, text)
         raise PipecSyntaxError(str(e).splitlines()[0], span) from None
-    except DedentError as e:
+    except DedentError:
         line = _dedent_line(text)
         span = Span(filename, line, 1, line, 2, text)
-        raise PipecSyntaxError(f"inconsistent indentation ({e})", span) from None
+        raise PipecSyntaxError("inconsistent indentation: this line lines up with no enclosing block", span) from None
     try:
         return _ToAst(filename, text).transform(tree)
     except VisitError as e:

@@ -49,7 +49,7 @@ def _verify_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-limit", type=_positive, metavar="N", help="activation units each rank may hold")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipec", description="A compiler for pipeline-parallel training schedules.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
@@ -73,9 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("list", help="the bundled schedules with their parameters")
 
     for name, (module_name, help_text) in COMMAND_MODULES.items():
-        module = _command_module(module_name)
-        if module is not None:
-            sub = commands.add_parser(name, help=help_text)
+        sub = commands.add_parser(name, help=help_text)
+        if name == command:  # import only the phase the user asked for: its imports may be heavy
+            module = _command_module(name, module_name)
             _schedule_args(sub)
             module.add_arguments(sub)
             sub.set_defaults(handler=module.main)
@@ -93,21 +93,22 @@ COMMAND_MODULES = {
 }
 
 
-def _command_module(name: str) -> ModuleType | None:
+def _command_module(command: str, module_name: str) -> ModuleType:
     import importlib
 
     try:
-        return importlib.import_module(name)
+        return importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        if e.name is not None and name.startswith(e.name):
-            return None  # that phase is not built yet
+        if e.name is not None and module_name.startswith(e.name):
+            raise PipecInputError(f"'pipec {command}' is not available in this version of pipec") from None
         raise
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
     try:
+        args = build_parser(command).parse_args(argv)
         handler = getattr(args, "handler", None) or {"compile": _compile, "check": _check, "list": _list}[args.command]
         return handler(args)
     except PipecError as e:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from fractions import Fraction
 from typing import TYPE_CHECKING, NamedTuple
 
 from pipec.errors import PipecSyntaxError
@@ -119,12 +120,13 @@ class Program:
     chunks: int
     stage_to_rank: tuple[int, ...]
     streams: tuple[tuple[Instruction, ...], ...]
-    memory_bound: tuple[int, ...] | None = None
+    memory_bound: tuple[float, ...] | None = None
     params: dict[str, int] = field(default_factory=dict)
     description: str = ""
     source: str = ""
     has_comms: bool = False
     forward_only: bool = False  # inference: every stage runs F only
+    expected: dict[str, Fraction] = field(default_factory=dict)  # `expect bubble ...` figures, for pipec.testing
 
     @property
     def num_stages(self) -> int:

@@ -155,6 +155,17 @@ Stmt = Emit | Assign | Drain | Pass | Repeat | For | While | If
 class Param:
     name: str
     default: Expr | None
+    low: Expr | None  # `P in low .. high`: the valid values, half-open like `for`
+    high: Expr | None
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Expect:
+    """`expect bubble EXPR`: a figure the simulator must reproduce (exact division `/` allowed)."""
+
+    what: str
+    value: Expr
     span: Span
 
 
@@ -211,6 +222,7 @@ class Schedule:
     memory: Memory | None
     drop_padded: bool
     forward_only: bool  # inference: no backward ops at all
+    expects: tuple[Expect, ...]
     rank_var: str | None
     body: tuple[Stmt, ...] | None
     rank_lists: tuple[RankList, ...]

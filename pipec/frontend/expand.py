@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from pipec.errors import PipecInputError, PipecSyntaxError, ScheduleProgramError, Span
 from pipec.frontend import ast
@@ -105,8 +106,9 @@ _FUNCTIONS: dict[str, tuple[int, int, Callable[..., int]]] = {
 class _Compiler:
     """Turns AST nodes into closures over a _RankState. Checks names statically."""
 
-    def __init__(self, known: Iterable[str]) -> None:
+    def __init__(self, known: Iterable[str], exact_division: bool = False) -> None:
         self.known = set(known)
+        self.exact_division = exact_division  # `/` is legal in `memory` and `expect` lines only
 
     def expr(self, e: ast.Expr) -> ExprFn:
         if isinstance(e, ast.Int):
@@ -174,6 +176,21 @@ class _Compiler:
             return lambda st: a(st) - b(st)
         if op == "*":
             return lambda st: a(st) * b(st)
+        if op == "/":
+            if not self.exact_division:
+                raise PipecSyntaxError(
+                    "exact division '/' is allowed only in 'memory' and 'expect' lines; use '//' for integer division",
+                    span,
+                )
+
+            def exact(st: _RankState) -> int:
+                left, right = a(st), b(st)
+                if right == 0:
+                    raise ScheduleProgramError("division by zero", span)
+                quotient = Fraction(left) / Fraction(right)
+                return quotient.numerator if quotient.denominator == 1 else quotient  # type: ignore[return-value]
+
+            return exact
         if op in ("//", "%"):
             floor = op == "//"
 
@@ -381,12 +398,22 @@ def _assigned_names(body: Iterable[ast.Stmt]) -> set[str]:
     return names
 
 
-def _evaluate(e: ast.Expr, env: Mapping[str, int]) -> int:
+def _evaluate(e: ast.Expr, env: Mapping[str, int], exact_division: bool = False) -> int:
     """Evaluate a header expression (no counters: count()/pending() belong to per-rank programs)."""
     if isinstance(e, (ast.Count, ast.Pending)):
         raise PipecSyntaxError("count() and pending() only make sense inside a per-rank program", e.span)
     st = _RankState(vars=dict(env), rank=-1, stages=(), budget=1)
-    return _Compiler(env).expr(e)(st)
+    return _Compiler(env, exact_division).expr(e)(st)
+
+
+def param_range(param: ast.Param, env: Mapping[str, int]) -> range | None:
+    """The declared valid values of a parameter (`P in 1 .. 9`), given the parameters before it."""
+    if param.low is None or param.high is None:
+        return None
+    try:
+        return range(_evaluate(param.low, env), _evaluate(param.high, env))
+    except ScheduleProgramError as e:
+        raise PipecInputError(e.message, e.span) from None
 
 
 # ---- binding parameters ------------------------------------------------------------------------
@@ -430,6 +457,13 @@ def bind_params(
             raise PipecInputError(f"parameter {name} must be an integer, got {value!r}")
         if name in BUILTIN_PARAMS and value < 1:
             raise PipecInputError(f"{name} must be at least 1 ({_PARAM_FLAGS[name]}), got {value}")
+        valid = param_range(declared[name], env) if name in declared else None
+        if valid is not None and value not in valid:
+            raise PipecInputError(
+                f"{schedule.name}: {name} = {value} is outside its declared range {valid.start} .. {valid.stop} "
+                "(half-open)",
+                declared[name].span,
+            )
         env[name] = value
     return env
 
@@ -465,8 +499,14 @@ def _memory_bound(schedule: ast.Schedule, env: Mapping[str, int]) -> tuple[int, 
     if memory is None:
         return None
     if memory.rank_var is None:
-        return (_evaluate(memory.value, env),) * env["P"]
-    return tuple(_evaluate(memory.value, {**env, memory.rank_var: r}) for r in range(env["P"]))
+        return (_number(_evaluate(memory.value, env, exact_division=True)),) * env["P"]
+    return tuple(
+        _number(_evaluate(memory.value, {**env, memory.rank_var: r}, exact_division=True)) for r in range(env["P"])
+    )
+
+
+def _number(value: int | Fraction) -> int | float:
+    return value if isinstance(value, int) else float(value)
 
 
 def expand(
@@ -496,6 +536,7 @@ def expand(
         env["S"] = stages
         placement = _placement(schedule, env, stages)
         memory = _memory_bound(schedule, env)
+        expected = {e.what: _evaluate(e.value, env, exact_division=True) for e in schedule.expects}
     except ScheduleProgramError as e:  # a header expression divided by zero
         raise PipecInputError(e.message, e.span) from None
 
@@ -518,6 +559,7 @@ def expand(
         description=schedule.description,
         source=source,
         forward_only=schedule.forward_only,
+        expected={what: Fraction(value) for what, value in expected.items()},
     )
 
 

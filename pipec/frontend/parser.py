@@ -13,6 +13,9 @@ from lark.indenter import DedentError, Indenter
 from pipec.errors import PipecSyntaxError, Span
 from pipec.frontend import ast
 
+# What `expect NAME EXPR` may state; each is checked by pipec.testing against the simulator.
+EXPECTATIONS = ("bubble",)
+
 
 class PipeIndenter(Indenter):
     NL_type = "_NL"
@@ -197,6 +200,7 @@ class _ToAst(Transformer):
         return build
 
     add, sub, mul, floordiv, mod = _binop("+"), _binop("-"), _binop("*"), _binop("//"), _binop("%")
+    truediv = _binop("/")
     eq, ne, lt, le, gt, ge = _binop("=="), _binop("!="), _binop("<"), _binop("<="), _binop(">"), _binop(">=")
     and_, or_ = _binop("and"), _binop("or")
 
@@ -323,7 +327,17 @@ class _ToAst(Transformer):
 
     @v_args(meta=True)
     def param(self, meta: Any, children: list[Any]) -> ast.Param:
-        return ast.Param(str(children[0]), children[1] if len(children) > 1 else None, self._span(meta))
+        name, *rest = children
+        default = rest[0] if len(rest) in (1, 3) else None
+        low, high = rest[-2:] if len(rest) >= 2 else (None, None)
+        return ast.Param(str(name), default, low, high, self._span(meta))
+
+    @v_args(meta=True)
+    def expect_decl(self, meta: Any, children: list[Any]) -> ast.Expect:
+        what = str(children[0])
+        if what not in EXPECTATIONS:
+            raise self._error(f"unknown expectation {what!r}; pipec knows: {', '.join(EXPECTATIONS)}", children[0])
+        return ast.Expect(what, children[1], self._span(meta))
 
     def params_decl(self, children: list[ast.Param]) -> tuple[str, tuple[ast.Param, ...]]:
         return ("params", tuple(children))
@@ -394,9 +408,12 @@ class _ToAst(Transformer):
         params: tuple[ast.Param, ...] = ()
         header: list[ast.Let | ast.Require] = []
         rank_lists: list[ast.RankList] = []
+        expects: list[ast.Expect] = []
         for decl in children[1:]:
             if isinstance(decl, (ast.Let, ast.Require)):
                 header.append(decl)
+            elif isinstance(decl, ast.Expect):
+                expects.append(decl)
             elif isinstance(decl, ast.RankList):
                 rank_lists.append(decl)
             elif decl[0] == "params":
@@ -423,6 +440,7 @@ class _ToAst(Transformer):
             memory=found.get("memory"),
             drop_padded=found.get("drop", False),
             forward_only=found.get("forward_only", False),
+            expects=tuple(expects),
             rank_var=per_rank[0] if per_rank else None,
             body=per_rank[1] if per_rank else None,
             rank_lists=tuple(rank_lists),

@@ -1,0 +1,519 @@
+"""simulate: run compiled instruction streams through an event-driven model with durations.
+
+Execution follows the point-to-point rule shared with the verifier's ``nccl`` model and the runtime:
+- each rank runs its stream in order; a compute instruction starts when the previous one ends and takes its
+  duration from the cost model (an overlapped pair takes the sum of its halves);
+- a maximal run of consecutive SEND/RECV instructions is one *batch*, posted at once when the rank reaches it;
+- messages on one ordered pair of ranks match in issue order (the k-th send from a to b meets the k-th receive
+  on b from a); if they name different (stage, kind, micro-batch) the schedule is invalid (p2p order mismatch);
+- a message's transfer starts once both ends are posted and takes ``costs.message_time``; the batch ends when
+  its last message is done (without overlap, sends included; with ``overlap`` a send is released at the
+  transfer's start). A rank blocked in a batch is idle.
+The simulation is a worklist over ranks (no global event heap is needed because a rank only ever waits for a
+peer to *post*, which fixes every time at once): each rank runs until it posts a batch whose counterparts are not
+all posted yet, and is woken when the last one is. Cost is linear in the number of instructions.
+
+Peak activation memory comes from the one liveness function, ``pipec.verify.memory.peak_activations``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from pipec.errors import PipecInputError, ScheduleError
+from pipec.ir import Action, Instruction, Kind, Program
+from pipec.sim.costs import DEFAULT_COSTS, Costs
+from pipec.verify.memory import DEFAULT_INPUT_FRACTION, peak_activations
+
+_SEND = (Kind.SEND_F, Kind.SEND_B)
+P2P_MODELS = ("nccl", "tagged", "ideal")
+
+
+class TimedOp(NamedTuple):
+    """One executed instruction (or one p2p batch, then ``instruction`` is a tuple of actions) on one rank."""
+
+    rank: int
+    start: float
+    end: float
+    instruction: Instruction | tuple[Action, ...]
+
+    @property
+    def is_comm(self) -> bool:
+        return type(self.instruction) is tuple
+
+
+class Message(NamedTuple):
+    """One matched send -> receive: the transfer runs from ``start`` to ``end``."""
+
+    send: Action
+    recv: Action
+    src: int
+    dst: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    program: Program
+    costs: Costs
+    makespan: float
+    busy: tuple[float, ...]  # compute time per rank
+    comm: tuple[float, ...]  # time per rank spent inside p2p batches (waiting or transferring)
+    finish: tuple[float, ...]  # when each rank's last instruction ends
+    start: tuple[float, ...]  # when each rank's first compute starts
+    peak_memory: tuple[float, ...]
+    timeline: tuple[tuple[TimedOp, ...], ...] = field(default=(), repr=False)  # per rank, when recorded
+    messages: tuple[Message, ...] = field(default=(), repr=False)
+
+    @property
+    def ranks(self) -> int:
+        return self.program.ranks
+
+    @property
+    def idle(self) -> tuple[float, ...]:
+        """Time each rank does no compute within the step (waiting in p2p batches included)."""
+        return tuple(self.makespan - b for b in self.busy)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """idle / (P x makespan)."""
+        total = self.ranks * self.makespan
+        return sum(self.idle) / total if total else 0.0
+
+    @property
+    def ideal(self) -> float:
+        """Total compute / P: the makespan with no bubble at all."""
+        return sum(self.busy) / self.ranks
+
+    @property
+    def efficiency(self) -> float:
+        return self.ideal / self.makespan if self.makespan else 1.0
+
+    @property
+    def span_idle(self) -> tuple[float, ...]:
+        """Idle time inside each rank's own span (its first compute to its last op): the bubble a rank would
+        still see if steps overlapped (the Zero Bubble paper's post-validation removes the step boundary)."""
+        return tuple(f - s - b for f, s, b in zip(self.finish, self.start, self.busy, strict=True))
+
+    def to_json(self) -> dict:
+        p = self.program
+        return {
+            "schedule": p.name,
+            "P": p.ranks,
+            "M": p.microbatches,
+            "V": p.chunks,
+            "costs": self.costs.describe(),
+            "makespan": self.makespan,
+            "ideal": self.ideal,
+            "efficiency": self.efficiency,
+            "bubble_fraction": self.bubble_fraction,
+            "peak_memory_max": max(self.peak_memory, default=0.0),
+            "ranks": [
+                {
+                    "rank": r,
+                    "busy": self.busy[r],
+                    "idle": self.idle[r],
+                    "comm": self.comm[r],
+                    "span_idle": self.span_idle[r],
+                    "finish": self.finish[r],
+                    "peak_memory": self.peak_memory[r],
+                }
+                for r in range(p.ranks)
+            ],
+        }
+
+
+def simulate(
+    program: Program,
+    costs: Costs = DEFAULT_COSTS,
+    record: bool = False,
+    input_fraction: float = DEFAULT_INPUT_FRACTION,
+    p2p: str = "nccl",
+) -> SimResult:
+    """Simulate ``program`` (with send/recv, as ``pipec.compile`` returns it) under ``costs``.
+
+    ``record`` keeps the per-rank timeline and the messages (for pictures and traces). ``p2p`` is the
+    point-to-point model: ``nccl`` (the runtime's rule, above), ``tagged`` (sends buffered and released at once,
+    a receive waits for the send of its (stage, micro-batch) in any order) or ``ideal`` (the compute order alone,
+    send/recv instructions ignored: every op starts once its rank is free and its inputs have arrived, a message
+    taking ``message_time``; the timeline the papers draw, independent of where send/recv were placed).
+    Raises ScheduleError on a p2p order mismatch, a deadlock, or a compute op that runs before its input.
+    """
+    if not program.has_comms and p2p != "ideal":
+        from pipec.passes.p2p import insert_p2p_ops
+
+        program = insert_p2p_ops(program)
+    if p2p not in P2P_MODELS:
+        raise PipecInputError(f"unknown p2p model {p2p!r}; expected one of {', '.join(P2P_MODELS)}")
+    if p2p == "ideal":
+        return _simulate_dataflow(program, costs, record, input_fraction)
+    tagged = p2p == "tagged"
+    P, S = program.ranks, program.num_stages  # noqa: N806 - the papers' names
+    where = program.stage_to_rank
+    durations = costs.per_stage(S)
+    d_f, d_b, d_i, d_w = (durations[k] for k in (Kind.F, Kind.B, Kind.I, Kind.W))
+    message_time = costs.message_time
+    send_release = 0.0 if costs.overlap else message_time
+    streams = program.streams
+    # Enum members hash through Python code, so the hot loop compares kinds by identity only.
+    k_f, k_b, k_i, k_w = Kind.F, Kind.B, Kind.I, Kind.W
+    k_sf, k_rf, k_sb = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B
+
+    # Completion times for the data dependencies, flat arrays indexed stage * n_mb + mb (-1: not done yet).
+    n_mb = 1 + max((a.mb for st in streams for ins in st for a in ins.parts), default=0)
+    forward_done = [-1.0] * (S * n_mb)
+    grad_done = [-1.0] * (S * n_mb)  # B or I: the input gradient exists
+
+    # A message is an int: (sending stage * n_mb + mb) * 2 + (0 forward, 1 backward).
+    # nccl: per ordered pair (src * P + dst), the posted sends and receives in issue order.
+    # tagged: per message, the posted send or the receive waiting for it.
+    # An entry: [post_time, message, rank, batch_key, position]; batch_key = (rank, first position of the batch).
+    sends: dict[int, list] = {}
+    recvs: dict[int, list] = {}
+    tagged_sends: dict[int, list] = {}
+    tagged_recvs: dict[int, list] = {}
+    missing: dict[tuple[int, int], int] = {}  # batch -> counterparts not posted yet
+    release_at: dict[tuple[int, int], float] = {}  # batch -> when it may end, as far as known
+
+    time = [0.0] * P
+    position = [0] * P
+    busy = [0.0] * P
+    comm = [0.0] * P
+    first = [-1.0] * P
+    posted = [False] * P  # is the batch at position[r] posted?
+    batch_end_pos = [0] * P
+    timeline: list[list[TimedOp]] = [[] for _ in range(P)]
+    messages: list[Message] = []
+    ready = deque(range(P))
+    queued = [True] * P
+
+    def release(entry: list, when: float) -> None:
+        key = entry[3]
+        if release_at[key] < when:
+            release_at[key] = when
+        missing[key] -= 1
+        if missing[key] == 0 and not queued[key[0]]:
+            queued[key[0]] = True
+            ready.append(key[0])
+
+    def matched(send_entry: list, recv_entry: list) -> None:
+        """Both ends of one message are posted: fix its times and tell both batches."""
+        if send_entry[1] != recv_entry[1]:
+            raise ScheduleError(_mismatch(program, send_entry, recv_entry))
+        if tagged:  # the data left when the send was posted; the sender did not wait
+            end = max(recv_entry[0], send_entry[0] + message_time)
+            start = end - message_time
+        else:
+            start = max(send_entry[0], recv_entry[0])
+            end = start + message_time
+            release(send_entry, start + send_release)
+        release(recv_entry, end)
+        if record:
+            s_rank, r_rank = send_entry[2], recv_entry[2]
+            send, recv = streams[s_rank][send_entry[4]], streams[r_rank][recv_entry[4]]
+            messages.append(Message(send, recv, s_rank, r_rank, start, end))
+
+    def post(rank: int, i: int, action: Action, t: float, key: tuple[int, int]) -> None:
+        stage, kind, mb = action
+        if kind is k_sf or kind is k_rf:
+            sender = stage if kind is k_sf else stage - 1
+            receiver, message = sender + 1, (sender * n_mb + mb) * 2
+        else:
+            sender = stage if kind is k_sb else stage + 1
+            receiver, message = sender - 1, (sender * n_mb + mb) * 2 + 1
+        if not (0 <= sender < S and 0 <= receiver < S):
+            raise ScheduleError(f"rank {rank}: op {i} {action} talks to a stage that does not exist")
+        is_send = kind is k_sf or kind is k_sb
+        entry = [t, message, rank, key, i]
+        if tagged:
+            if is_send:
+                if message in tagged_sends:
+                    raise ScheduleError(f"rank {rank}: op {i} {action} sends a message a second time")
+                tagged_sends[message] = entry
+                missing[key] -= 1  # a buffered send waits for nobody
+                waiting = tagged_recvs.pop(message, None)
+                if waiting is not None:
+                    matched(entry, waiting)
+            elif message in tagged_sends:
+                matched(tagged_sends[message], entry)
+            else:
+                tagged_recvs[message] = entry
+            return
+        if is_send:
+            pair = rank * P + where[receiver]
+            mine, theirs = sends.setdefault(pair, []), recvs.setdefault(pair, [])
+        else:
+            pair = where[sender] * P + rank
+            mine, theirs = recvs.setdefault(pair, []), sends.setdefault(pair, [])
+        k = len(mine)
+        mine.append(entry)
+        if k < len(theirs):
+            if is_send:
+                matched(entry, theirs[k])
+            else:
+                matched(theirs[k], entry)
+
+    while ready:
+        rank = ready.popleft()
+        queued[rank] = False
+        stream = streams[rank]
+        n = len(stream)
+        pos = position[rank]
+        t = time[rank]
+        line = timeline[rank]
+        while pos < n:
+            instruction = stream[pos]
+            if type(instruction) is Action:
+                stage, kind, mb = instruction
+                index = stage * n_mb + mb
+                if kind is k_f:
+                    if stage > 0 and not 0 <= forward_done[index - n_mb] <= t:
+                        _early(instruction, rank, pos, f"the forward of stage {stage - 1}")
+                    end_time = t + d_f[stage]
+                    forward_done[index] = end_time
+                elif kind is k_i or kind is k_b:
+                    if not 0 <= forward_done[index] <= t:
+                        _early(instruction, rank, pos, f"its forward {Action(stage, Kind.F, mb)}")
+                    if stage < S - 1 and not 0 <= grad_done[index + n_mb] <= t:
+                        _early(instruction, rank, pos, f"the backward of stage {stage + 1}")
+                    end_time = t + (d_i[stage] if kind is k_i else d_b[stage])
+                    grad_done[index] = end_time
+                elif kind is k_w:
+                    if not 0 <= grad_done[index] <= t:
+                        _early(instruction, rank, pos, f"the input-gradient backward (I) of stage {stage}")
+                    end_time = t + d_w[stage]
+                else:  # a send/recv: the start of a batch
+                    key = (rank, pos)
+                    if not posted[rank]:
+                        end = pos
+                        while end < n and type(stream[end]) is Action:
+                            k = stream[end].kind
+                            if k is k_f or k is k_i or k is k_w or k is k_b:
+                                break
+                            end += 1
+                        batch_end_pos[rank] = end
+                        posted[rank] = True
+                        missing[key] = end - pos
+                        release_at[key] = t
+                        for i in range(pos, end):
+                            post(rank, i, stream[i], t, key)
+                    if missing[key]:
+                        break  # blocked: woken when the last counterpart is posted
+                    end_time = release_at.pop(key)
+                    del missing[key]
+                    posted[rank] = False
+                    comm[rank] += end_time - t
+                    if record:
+                        line.append(TimedOp(rank, t, end_time, tuple(stream[pos : batch_end_pos[rank]])))
+                    t = end_time
+                    pos = batch_end_pos[rank]
+                    continue
+                if first[rank] < 0:
+                    first[rank] = t
+                if record:
+                    line.append(TimedOp(rank, t, end_time, instruction))
+                busy[rank] += end_time - t
+                t = end_time
+                pos += 1
+                continue
+            # an overlapped pair: both halves back to back, as one instruction
+            end_time = t
+            for action in instruction.parts:
+                stage, kind, mb = action
+                if kind.is_comm:
+                    raise ScheduleError(f"rank {rank}: op {pos} {instruction} pairs a send/recv with compute")
+                index = stage * n_mb + mb
+                if kind is k_f:
+                    if stage > 0 and not 0 <= forward_done[index - n_mb] <= t:
+                        _early(action, rank, pos, f"the forward of stage {stage - 1}")
+                    end_time += d_f[stage]
+                else:
+                    if kind is not k_w and not 0 <= forward_done[index] <= t:
+                        _early(action, rank, pos, f"its forward {Action(stage, Kind.F, mb)}")
+                    if kind is not k_w and stage < S - 1 and not 0 <= grad_done[index + n_mb] <= t:
+                        _early(action, rank, pos, f"the backward of stage {stage + 1}")
+                    end_time += durations[kind][stage]
+            for stage, kind, mb in instruction.parts:
+                if kind is k_f:
+                    forward_done[stage * n_mb + mb] = end_time
+                elif kind is not k_w:
+                    grad_done[stage * n_mb + mb] = end_time
+            if first[rank] < 0:
+                first[rank] = t
+            if record:
+                line.append(TimedOp(rank, t, end_time, instruction))
+            busy[rank] += end_time - t
+            t = end_time
+            pos += 1
+        position[rank] = pos
+        time[rank] = t
+
+    stuck = [r for r in range(P) if position[r] < len(streams[r])]
+    if stuck:
+        if tagged:
+            raise ScheduleError(f"deadlock under the tagged p2p model: rank(s) {stuck} cannot finish")
+        raise ScheduleError(_deadlock_message(program, stuck, position, sends, recvs))
+    makespan = max(time, default=0.0)
+    return SimResult(
+        program=program,
+        costs=costs,
+        makespan=makespan,
+        busy=tuple(busy),
+        comm=tuple(comm),
+        finish=tuple(time),
+        start=tuple(max(f, 0.0) for f in first),
+        peak_memory=peak_activations(program, input_fraction),
+        timeline=tuple(tuple(t) for t in timeline) if record else (),
+        messages=tuple(messages),
+    )
+
+
+def _simulate_dataflow(program: Program, costs: Costs, record: bool, input_fraction: float) -> SimResult:
+    """The ``ideal`` model: compute instructions in program order, each starting once its rank is free and its
+    inputs exist (plus ``message_time`` when the producer lives on another rank). Send/recv are ignored."""
+    compute = program.compute_streams()
+    ranks, stages = program.ranks, program.num_stages
+    where = program.stage_to_rank
+    durations = costs.per_stage(stages)
+    delay = costs.message_time
+    n_mb = 1 + max((a.mb for st in compute for ins in st for a in ins.parts), default=0)
+    done: dict[tuple[int, int, int], float] = {}  # (stage, 0 forward / 1 input gradient, mb) -> available time
+    waiting: dict[tuple[int, int, int], list[int]] = {}
+    time, position, busy, first = [0.0] * ranks, [0] * ranks, [0.0] * ranks, [-1.0] * ranks
+    timeline: list[list[TimedOp]] = [[] for _ in range(ranks)]
+    ready = deque(range(ranks))
+
+    def inputs(action: Action) -> list[tuple[int, int, int]]:
+        stage, kind, mb = action
+        if kind is Kind.F:
+            return [(stage - 1, 0, mb)] if stage > 0 else []
+        if kind is Kind.W:
+            return [(stage, 1, mb)]
+        return [(stage, 0, mb)] + ([(stage + 1, 1, mb)] if stage < stages - 1 else [])
+
+    while ready:
+        rank = ready.popleft()
+        stream = compute[rank]
+        t = time[rank]
+        while position[rank] < len(stream):
+            instruction = stream[position[rank]]
+            start, blocked = t, None
+            for action in instruction.parts:
+                for key in inputs(action):
+                    if key not in done:
+                        blocked = key
+                        break
+                    hop = delay if where[key[0]] != rank else 0.0
+                    start = max(start, done[key] + hop)
+                if blocked:
+                    break
+            if blocked:
+                waiting.setdefault(blocked, []).append(rank)
+                break
+            end = start
+            for stage, kind, _mb in instruction.parts:
+                end += durations[kind][stage]
+            for stage, kind, mb in instruction.parts:
+                if kind is not Kind.W:
+                    key = (stage, 0 if kind is Kind.F else 1, mb)
+                    done[key] = end
+                    ready.extend(waiting.pop(key, ()))
+            if first[rank] < 0:
+                first[rank] = start
+            if record:
+                timeline[rank].append(TimedOp(rank, start, end, instruction))
+            busy[rank] += end - start
+            t = end
+            position[rank] += 1
+        time[rank] = t
+    stuck = [r for r in range(ranks) if position[r] < len(compute[r])]
+    if stuck:
+        raise ScheduleError(f"the compute order deadlocks: rank(s) {stuck} wait for inputs that are never computed")
+    messages = []
+    if record:
+        for rank, line in enumerate(timeline):
+            for op in line:
+                for stage, kind, mb in op.instruction.parts:
+                    target = stage + 1 if kind is Kind.F else stage - 1
+                    if kind is Kind.W or not 0 <= target < stages or where[target] == rank:
+                        continue
+                    send_kind, recv_kind = (Kind.SEND_F, Kind.RECV_F) if kind is Kind.F else (Kind.SEND_B, Kind.RECV_B)
+                    messages.append(
+                        Message(
+                            Action(stage, send_kind, mb),
+                            Action(target, recv_kind, mb),
+                            rank,
+                            where[target],
+                            op.end,
+                            op.end + delay,
+                        )
+                    )
+    del n_mb
+    return SimResult(
+        program=program.with_streams(compute, has_comms=False),
+        costs=costs,
+        makespan=max(time, default=0.0),
+        busy=tuple(busy),
+        comm=(0.0,) * ranks,
+        finish=tuple(time),
+        start=tuple(max(f, 0.0) for f in first),
+        peak_memory=peak_activations(program, input_fraction),
+        timeline=tuple(tuple(line) for line in timeline) if record else (),
+        messages=tuple(messages),
+    )
+
+
+def _ordinal(k: int) -> str:
+    return f"{k}{'th' if 10 <= k % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(k % 10, 'th')}"
+
+
+def _mismatch(program: Program, send_entry: list, recv_entry: list) -> str:
+    src, dst = send_entry[2], recv_entry[2]
+    send, recv = program.streams[src][send_entry[4]], program.streams[dst][recv_entry[4]]
+    k = sum(1 for a in program.streams[src][: send_entry[4] + 1] if _is_send_to(program, a, src, dst))
+    return (
+        f"p2p order mismatch between rank {src} and rank {dst}: the {_ordinal(k)} message from rank {src} to "
+        f"rank {dst} is {send} (op {send_entry[4]} on rank {src}), but the {_ordinal(k)} receive on rank {dst} "
+        f"from rank {src} is {recv} (op {recv_entry[4]}); messages on one pair of ranks match in issue order"
+    )
+
+
+def _is_send_to(program: Program, instruction: Instruction, src: int, dst: int) -> bool:
+    if not isinstance(instruction, Action) or instruction.kind not in _SEND:
+        return False
+    step = 1 if instruction.kind is Kind.SEND_F else -1
+    return program.stage_to_rank[instruction.stage + step] == dst
+
+
+def _early(action: Action, rank: int, pos: int, what: str) -> None:
+    raise ScheduleError(f"rank {rank}: op {pos} {action} runs before {what} has finished")
+
+
+def _deadlock_message(program: Program, stuck: list[int], position: list[int], sends, recvs) -> str:
+    P = program.ranks  # noqa: N806
+    lines = [f"deadlock under the nccl p2p model: {len(stuck)} rank(s) cannot finish"]
+    for rank in stuck:
+        stream = program.streams[rank]
+        pos = end = position[rank]
+        while end < len(stream) and isinstance(stream[end], Action) and stream[end].kind.is_comm:
+            end += 1
+        waiting = []
+        for i in range(pos, end):
+            action = stream[i]
+            stage, kind, _ = action
+            if kind in _SEND:
+                peer = program.stage_to_rank[stage + (1 if kind is Kind.SEND_F else -1)]
+                mine, theirs = sends.get(rank * P + peer, []), recvs.get(rank * P + peer, [])
+            else:
+                peer = program.stage_to_rank[stage + (-1 if kind is Kind.RECV_F else 1)]
+                mine, theirs = recvs.get(peer * P + rank, []), sends.get(peer * P + rank, [])
+            k = next((j for j, e in enumerate(mine) if e[2] == rank and e[4] == i), None)
+            if k is not None and k >= len(theirs):
+                what = "receive" if kind in _SEND else "send"
+                waiting.append(f"{action} waits for rank {peer} to post its {_ordinal(k + 1)} {what}")
+        batch = " ".join(map(str, stream[pos:end]))
+        lines.append(f"rank {rank} is stuck at op {pos}, batch [{batch}]: " + "; ".join(waiting))
+    return "\n".join(lines)

@@ -5,7 +5,8 @@ What is checked, by the info string of each fenced block in docs/language.md and
 - ```` ```pipe P=4 M=8 [V=2] [NAME=VALUE ...] ````: the block is a whole schedule; `pipec compile` with these
   parameters (names other than P, M, V go to `--set`) succeeds, which includes every verification pass.
 - the same with the flag `orders`: the next fenced block (```` ```text ````) is exactly what
-  `pipec compile ... --emit orders` prints.
+  `pipec compile ... --emit orders` prints, and the schedule verifies; with the flag `invalid` as well, the order
+  only illustrates the language and must fail verification (exit 1).
 - the same with `error=N`: compiling fails with exit code N and the next fenced block is exactly what it prints
   on standard error (the file is written as `example.pipe`, or the name given by `file=`).
 - ```` ```pipe excerpt=NAME ````: the lines appear, in order and contiguous, in the bundled `NAME.pipe`.
@@ -129,6 +130,11 @@ def expected_pipe_output(block: Block, scratch: Path) -> tuple[Block | None, str
     if "orders" in block.flags:
         code, out, err = run_cli([*argv, "--emit", "orders"], scratch)
         assert code == 0, f"{block.where}: --emit orders failed with exit {code}:\n{err}"
+        verified, _, report = run_cli(argv, scratch)
+        if "invalid" in block.flags:
+            assert verified == 1, f"{block.where}: marked invalid, but it compiles and verifies now"
+        else:
+            assert verified == 0, f"{block.where}: the order shown does not verify (mark it 'invalid'):\n{report}"
         return _next_block(block), out
     code, out, err = run_cli(argv, scratch)
     if "error" in block.attrs:

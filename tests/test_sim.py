@@ -1,0 +1,285 @@
+"""The simulator against closed-form results, hand-computed timelines and an independent timeline checker."""
+
+# ruff: noqa: N803, N806 - P, M, V are the papers' names
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+import pipec
+from pipec.cli import main
+from pipec.errors import PipecInputError, ScheduleError
+from pipec.ir import Action, Kind, Program, parse_instruction
+from pipec.sim import Costs, parse_costs, simulate
+from pipec.verify.memory import peak_activations
+
+UNIT = parse_costs("F=1,I=1,W=1")  # the Zero Bubble paper's T_F = T_B = T_W (its B is our I)
+
+
+def close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+
+
+# ---- closed forms (the ideal model: the schedule's compute order with asynchronous messages) -----------------
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("P", [1, 2, 3, 4, 6, 8])
+@pytest.mark.parametrize("M_of_P", [0.5, 1, 2, 3.5])
+def test_gpipe_and_1f1b_bubble(name, P, M_of_P):
+    M = max(1, int(M_of_P * P))
+    costs = parse_costs("F=1.5,B=2.5,W=1")
+    result = simulate(pipec.load(name, P, M), costs, p2p="ideal")
+    assert close(result.bubble_fraction, (P - 1) / (M + P - 1))
+    assert close(result.makespan, (M + P - 1) * (1.5 + 2.5))
+    assert close(result.efficiency, M / (M + P - 1))
+    assert all(close(i, (P - 1) * 4.0) for i in result.idle)  # every rank idles (P-1)(F+B)
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 8])
+@pytest.mark.parametrize("V", [2, 3, 4])
+@pytest.mark.parametrize("rounds", [1, 2, 3])
+def test_interleaved_1f1b_bubble_per_megatron(P, V, rounds):
+    # Megatron (Narayanan et al. 2021, sec. 2.2.2): bubble time (P-1)(tf+tb)/V against ideal M(tf+tb), so the
+    # fraction of the makespan is (P-1)/(V*M + P-1); exact at the default grouping (M a multiple of P).
+    M = rounds * P
+    result = simulate(pipec.load("interleaved_1f1b", P, M, V), parse_costs("F=1,B=2"), p2p="ideal")
+    assert close(result.bubble_fraction, (P - 1) / (V * M + P - 1))
+
+
+ZB_COSTS = ["F=1,I=1,W=1", "F=2,I=2,W=1", "F=1,I=2,W=1", "F=1.5,I=1,W=0.5"]
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 6])
+@pytest.mark.parametrize("costs", ZB_COSTS)
+def test_zero_bubble_table(P, costs):
+    """Qi et al. 2024, Table 2: bubble size (P-1)(F+B+W) for 1F1B, (P-1)(F+B-W) for ZB-H1, (P-1)(F+B-2W) for ZB-H2
+    (their B is our I), peak memory P, P and 2P-1 micro-batches. Their bubble is the idle time of the worst rank
+    between its first and last op (steps overlap under their post-validation), here `span_idle`."""
+    c = parse_costs(costs)
+    for M in (2 * P, 3 * P + 1):
+        one = simulate(pipec.load("1f1b", P, M), c, p2p="ideal")
+        h1 = simulate(pipec.load("zb_h1", P, M), c, p2p="ideal")
+        h2 = simulate(pipec.load("zb_h2", P, M), c, p2p="ideal")
+        assert close(max(one.span_idle), (P - 1) * (c.F + c.I + c.W))
+        assert close(max(h1.span_idle), (P - 1) * (c.F + c.I - c.W))
+        assert close(max(h2.span_idle), (P - 1) * (c.F + c.I - 2 * c.W))
+        assert (one.peak_memory[0], h1.peak_memory[0], h2.peak_memory[0]) == (P, P, 2 * P - 1)
+        assert max(h2.peak_memory) == 2 * P - 1 and max(h1.peak_memory) == P
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 6])
+def test_zb_h1_is_a_third_of_1f1b(P):
+    M = 3 * P
+    one = simulate(pipec.load("1f1b", P, M), UNIT, p2p="ideal")
+    h1 = simulate(pipec.load("zb_h1", P, M), UNIT, p2p="ideal")
+    assert close(h1.idle[0], one.idle[0] / 3)  # (P-1) against 3(P-1)
+    assert close(h1.bubble_fraction, (P - 1) / (3 * M + P - 1))
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 6])
+@pytest.mark.parametrize("extra", [0, 1, "P"])
+def test_zbv_near_zero_bubble(P, extra):
+    M = 2 * P + (P if extra == "P" else extra)
+    result = simulate(pipec.load("zbv", P, M, 2), UNIT, p2p="ideal")
+    assert all(close(i, 0.0) for i in result.span_idle)  # no rank ever waits between its first and last op
+    # what is left is the start-up skew: rank r starts r forwards late, P-1 units in all, against 2*3*M busy
+    assert close(result.bubble_fraction, (P - 1) / (6 * M + P - 1))
+    assert max(result.peak_memory) <= 2 * P  # 1F1B's memory (P micro-batches of a 2-chunk rank)
+
+
+# ---- the nccl rule, by hand -----------------------------------------------------------------------------------
+
+
+def _program(rows: list[str], P: int = 2, M: int = 2) -> Program:
+    streams = tuple(tuple(parse_instruction(t) for t in row.split()) for row in rows)
+    return Program("hand", P, M, 1, tuple(range(P)), streams, has_comms=True)
+
+
+HAND = [
+    "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
+    "1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1",
+]
+
+
+@pytest.mark.parametrize(
+    ("costs", "makespan", "finish", "batch"),
+    [
+        # free messages: [0SEND_F1 0RECV_B0] is one batch, released when rank 1 posts [1SEND_B0 1RECV_F1] at 4
+        ("F=1,B=2", 9.0, (9.0, 7.0), (2.0, 4.0)),
+        # 0.5 per message, sender held for the transfer: both batches end at 4.5 + 0.5
+        ("F=1,B=2,comm=0.5", 10.5, (10.5, 8.5), (2.5, 5.0)),
+        # overlap: a send is released when the transfer starts; rank 0 runs 0F1 from 1, not 1.5
+        ("F=1,B=2,comm=0.5,overlap=1", 10.5, (10.5, 8.0), (2.0, 5.0)),
+    ],
+)
+def test_hand_computed_nccl_timeline(costs, makespan, finish, batch):
+    result = simulate(_program(HAND), parse_costs(costs), record=True)
+    assert result.makespan == makespan and result.finish == finish
+    rank0 = result.timeline[0]
+    paired = next(op for op in rank0 if op.is_comm and len(op.instruction) == 2)
+    assert (paired.start, paired.end) == batch
+    assert [str(a) for a in paired.instruction] == ["0SEND_F1", "0RECV_B0"]
+    assert result.busy == (6.0, 6.0)
+
+
+def test_p2p_order_mismatch_is_reported():
+    rows = [
+        "0F0 0F1 0SEND_F1 0SEND_F0 0RECV_B0 0B0 0RECV_B1 0B1",  # sends F1 before F0 on the same channel
+        "1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1",
+    ]
+    with pytest.raises(ScheduleError, match=r"p2p order mismatch between rank 0 and rank 1.*1st message.*0SEND_F1"):
+        simulate(_program(rows))
+    # buffered sends matched by (stage, micro-batch) do not care about the order: rank 1 starts at 2, not 1
+    assert simulate(_program(rows), p2p="tagged").makespan == 10.0
+
+
+def test_deadlock_is_reported():
+    rows = [
+        "0F0 0RECV_B0 0B0 0SEND_F0",  # waits for a gradient before sending the activation it needs
+        "1RECV_F0 1F0 1B0 1SEND_B0",
+    ]
+    with pytest.raises(
+        ScheduleError, match=r"(?s)deadlock under the nccl.*rank 0 is stuck at op 1.*0RECV_B0 waits for rank 1"
+    ):
+        simulate(_program(rows, M=1))
+    with pytest.raises(ScheduleError, match="deadlock under the tagged"):
+        simulate(_program(rows, M=1), p2p="tagged")
+
+
+def test_compute_before_its_input_is_an_error():
+    rows = ["0F0 0B0 0SEND_F0", "1RECV_F0 1F0 1B0"]  # 0B0 runs before the gradient could exist
+    with pytest.raises(ScheduleError, match="0B0 runs before the backward of stage 1"):
+        simulate(_program(rows, M=1))
+
+
+# ---- an independent check of every simulated timeline ---------------------------------------------------------
+
+
+def _check_timeline(result, costs: Costs) -> None:
+    """Program order, durations, data dependencies (plus message time across ranks) and the totals."""
+    program = result.program
+    durations = costs.per_stage(program.num_stages)
+    where = program.stage_to_rank
+    end_of: dict[tuple[int, str, int], float] = {}
+    for rank, line in enumerate(result.timeline):
+        clock = 0.0
+        for op in line:
+            assert op.start >= clock - 1e-9, f"rank {rank} runs two things at once at {op}"
+            clock = op.end
+            if op.is_comm:
+                continue
+            expected = sum(durations[a.kind][a.stage] for a in op.instruction.parts)
+            assert close(op.end - op.start, expected)
+            for stage, kind, mb in op.instruction.parts:
+                end_of[(stage, kind.value, mb)] = op.end
+    hop = costs.message_time
+    for rank, line in enumerate(result.timeline):
+        for op in line:
+            if op.is_comm:
+                continue
+            for stage, kind, mb in op.instruction.parts:
+                needs = []
+                if kind is Kind.F and stage > 0:
+                    needs.append((stage - 1, "F", mb))
+                if kind in (Kind.B, Kind.I):
+                    needs.append((stage, "F", mb))
+                    if stage < program.num_stages - 1:
+                        later = (stage + 1, "B", mb) if (stage + 1, "B", mb) in end_of else (stage + 1, "I", mb)
+                        needs.append(later)
+                if kind is Kind.W:
+                    needs.append((stage, "I", mb))
+                for need in needs:
+                    delay = hop if where[need[0]] != rank else 0.0
+                    assert end_of[need] + delay <= op.start + 1e-9, f"{op.instruction} starts before {need} arrives"
+    assert close(result.makespan, max(op.end for line in result.timeline for op in line))
+    for rank, line in enumerate(result.timeline):
+        assert close(result.busy[rank], sum(op.end - op.start for op in line if not op.is_comm))
+    assert result.peak_memory == peak_activations(program)
+
+
+LIBRARY = [
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("interleaved_1f1b", 2),
+    ("looped_bfs", 2),
+    ("interleaved_zb", 2),
+    ("zb_h1", 1),
+    ("zb_h2", 1),
+    ("zbv", 2),
+    ("dualpipev", 2),
+    ("forward_only", 1),
+]
+
+
+@pytest.mark.parametrize(("name", "V"), LIBRARY)
+@pytest.mark.parametrize("costs", ["F=1,B=2,W=1", "F=1.3,B=2.9,W=0.7,latency=0.2,size=4,bandwidth=8,overlap=1"])
+@pytest.mark.parametrize("p2p", ["nccl", "tagged", "ideal"])
+def test_library_timelines_are_valid(name, V, costs, p2p):
+    c = parse_costs(costs)
+    for P, M in ((2, 4), (4, 8)):
+        program = pipec.compile(name, P, M, V)
+        result = simulate(program, c, record=True, p2p=p2p)
+        _check_timeline(result, c)
+        ideal = simulate(program, c, p2p="ideal")
+        assert result.makespan >= ideal.makespan - 1e-9  # the ideal model is as-soon-as-possible for that order
+        assert close(sum(result.busy), sum(ideal.busy))
+
+
+# ---- costs and the command ------------------------------------------------------------------------------------
+
+
+def test_cost_parsing(tmp_path):
+    assert (parse_costs(None).F, parse_costs(None).I, parse_costs(None).W) == (1.0, 1.0, 1.0)
+    c = parse_costs("F=2,B=5,W=2")
+    assert (c.I, c.B) == (3.0, 5.0)
+    c = parse_costs("I=3,W=2")
+    assert c.B == 5.0
+    assert parse_costs("comm=1,latency=0.5,size=100,bandwidth=200").message_time == 2.0
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"F": [1, 2], "B": 4, "W": [1, 3], "scale": [1, 2]}))
+    per_stage = parse_costs(str(path)).per_stage(2)
+    assert per_stage[Kind.F] == [1.0, 4.0] and per_stage[Kind.I] == [3.0, 2.0] and per_stage[Kind.W] == [1.0, 6.0]
+    for bad in ("F=1,X=2", "F=x", "F=-1", "B=1,W=2", "B=3,I=1,W=1", "overlap=2", "F=1,F=2", str(tmp_path / "no.json")):
+        with pytest.raises(PipecInputError):
+            parse_costs(bad)
+    with pytest.raises(PipecInputError, match="3 entries"):
+        parse_costs('{"F": [1, 2, 3]}' and str(_write(tmp_path, {"F": [1, 2, 3]}))).per_stage(2)
+
+
+def _write(tmp_path, data):
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_simulate_command_json(capsys):
+    assert main(["simulate", "1f1b", "-P", "4", "-M", "8", "--cost", "F=1,B=2", "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {"makespan", "bubble_fraction", "efficiency", "ranks"} <= set(data)
+    assert [r["rank"] for r in data["ranks"]] == [0, 1, 2, 3]
+    assert all({"rank", "busy", "idle", "peak_memory"} <= set(r) for r in data["ranks"])
+    assert [r["peak_memory"] for r in data["ranks"]] == [4, 3, 2, 1]
+    assert close(sum(r["idle"] for r in data["ranks"]) / (4 * data["makespan"]), data["bubble_fraction"])
+
+
+def test_simulate_command_text_and_errors(capsys):
+    assert main(["simulate", "gpipe", "-P", "2", "-M", "2", "--p2p", "ideal"]) == 0
+    out = capsys.readouterr().out
+    assert "makespan 9" in out and "bubble 33.3%" in out
+    assert main(["simulate", "gpipe", "-P", "2", "-M", "2", "--cost", "F=1,Q=2"]) == 2
+    assert "unknown cost 'Q'" in capsys.readouterr().err
+
+
+def test_ideal_model_message_time():
+    # with a message costing c, each of the P-1 hops of the first forward and the last backward adds c
+    P, M, c = 4, 6, 0.25
+    result = simulate(pipec.load("gpipe", P, M), parse_costs(f"F=1,B=2,comm={c}"), p2p="ideal")
+    assert close(result.makespan, (M + P - 1) * 3 + 2 * (P - 1) * c)
+
+
+def test_unused_action_import_keeps_ruff_quiet():
+    assert Action(0, Kind.F, 0).stage == 0

@@ -1,0 +1,163 @@
+"""Partitioning a model's layers into the S pipeline stages, and the stage modules built from them.
+
+`partition` returns the number of layers of each stage (contiguous, in order, none empty):
+- `params`  (default): an optimal contiguous partition by parameter count, minimising the largest stage
+  (ties broken towards fewer layers in the largest stage, so parameter-free layers spread out too);
+- `profile`: the same optimum over measured per-layer forward+backward times;
+- `4,4,4,4`: explicit layer counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipec.errors import PipecInputError
+
+
+def optimal_partition(weights: Sequence[float], parts: int) -> tuple[int, ...]:
+    """Split `weights` into `parts` contiguous non-empty runs minimising the largest run's sum (exact DP)."""
+    n = len(weights)
+    if parts > n:
+        raise PipecInputError(f"the model has {n} layers but the schedule has {parts} stages; give it more layers")
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[k][i]: the smallest possible largest run when the first i layers form k runs
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for i in range(k, n - (parts - k) + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    sizes, i = [], n
+    for k in range(parts, 0, -1):
+        j = cut[k][i]
+        sizes.append(i - j)
+        i = j
+    return tuple(reversed(sizes))
+
+
+def parse_partition(text: str, layers: int, stages: int) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise PipecInputError(f"--partition {text!r}: expected params, profile or layer counts like 4,4,4,4") from None
+    if len(sizes) != stages or any(s < 1 for s in sizes) or sum(sizes) != layers:
+        raise PipecInputError(
+            f"--partition {text}: expected {stages} positive layer counts summing to {layers} (the model's layers)"
+        )
+    return sizes
+
+
+def layer_weights_by_params(layers) -> list[float]:
+    # The parameter count dominates; the +1 per layer only breaks ties between equally heavy partitions
+    # (every module count is below n + 1, so it never outweighs one parameter).
+    n = len(layers)
+    return [sum(p.numel() for p in layer.parameters()) * (n + 1) + 1.0 for layer in layers]
+
+
+def layer_weights_by_profile(layers, sample, repeats: int = 5) -> list[float]:
+    """Median forward+backward time of each layer on one micro-batch, feeding each layer its real input."""
+    import time
+
+    import torch
+
+    weights = []
+    x = sample.detach()
+    for layer in layers:
+        times = []
+        for _ in range(repeats):
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            start = time.perf_counter()
+            out = layer(inp)
+            if out.requires_grad:
+                out.sum().backward()
+            times.append(time.perf_counter() - start)
+        with torch.no_grad():
+            x = layer(x)
+        weights.append(sorted(times)[len(times) // 2])
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    return weights
+
+
+def partition(layers, stages: int, how: str = "params", sample=None) -> tuple[int, ...]:
+    if how == "params":
+        return optimal_partition(layer_weights_by_params(layers), stages)
+    if how == "profile":
+        return optimal_partition(layer_weights_by_profile(layers, sample), stages)
+    return parse_partition(how, len(layers), stages)
+
+
+@dataclass
+class Stage:
+    """One stage's layers. `forward` records the output of every layer that has trainable parameters:
+    the split backward's I captures gradients there and W continues from them, layer by layer."""
+
+    index: int
+    first_layer: int  # index of its first layer in the unsplit model
+    layers: list
+    param_layers: tuple[int, ...]  # positions (in `layers`) of layers with trainable parameters
+    params_by_layer: dict[int, list]  # position -> that layer's trainable parameters
+
+    @classmethod
+    def build(cls, index: int, first_layer: int, layers: list) -> Stage:
+        params = {i: [p for p in layer.parameters() if p.requires_grad] for i, layer in enumerate(layers)}
+        with_params = tuple(i for i in range(len(layers)) if params[i])
+        return cls(index, first_layer, layers, with_params, {i: params[i] for i in with_params})
+
+    def parameters(self) -> list:
+        return [p for i in self.param_layers for p in self.params_by_layer[i]]
+
+    def layer_parameters(self, position: int) -> list:
+        return self.params_by_layer[position]
+
+    def to(self, device) -> Stage:
+        for layer in self.layers:
+            layer.to(device)
+        return self
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def forward_recording(self, x):
+        """The output, and the outputs of the layers with parameters (in order)."""
+        recorded = []
+        marks = set(self.param_layers)
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i in marks:
+                recorded.append(x)
+        return x, recorded
+
+    def state_dict(self) -> dict:
+        """Entries keyed as in the unsplit nn.Sequential (`{layer index}.{name}`)."""
+        out = {}
+        for i, layer in enumerate(self.layers):
+            for key, value in layer.state_dict().items():
+                out[f"{self.first_layer + i}.{key}"] = value.detach().cpu().clone()
+        return out
+
+
+def build_stages(layers, sizes: Sequence[int], wanted: Sequence[int]) -> dict[int, Stage]:
+    """The Stage objects for the stage indices in `wanted` (this rank's), sharing the model's layer objects."""
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + size)
+    return {s: Stage.build(s, starts[s], list(layers[starts[s] : starts[s + 1]])) for s in wanted}
+
+
+def describe(layers, sizes: Sequence[int], stage_to_rank: Sequence[int]) -> str:
+    lines, start = [], 0
+    for s, size in enumerate(sizes):
+        params = sum(p.numel() for layer in layers[start : start + size] for p in layer.parameters())
+        lines.append(f"  stage {s} (rank {stage_to_rank[s]}): layers {start}-{start + size - 1}, {params} parameters")
+        start += size
+    return "\n".join(lines)

@@ -1,0 +1,140 @@
+"""`pipec run` end to end: the CLI's report, trace and saved weights, a torchrun launch, a worker killed
+mid-step, bad inputs refused before any process starts, and the partitioner against brute force."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_runtime import assert_same_weights, reference
+
+from pipec.cli import main as cli_main
+from pipec.runtime.stages import optimal_partition
+
+TESTS = Path(__file__).parent
+PIPEC = [sys.executable, "-m", "pipec"]
+
+
+def run(command: list[str], cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_writes_report_trace_and_the_trained_weights(tmp_path: Path) -> None:
+    done = run(
+        [*PIPEC, "run", "zbv", "-P", "2", "-M", "4", "--model", "workloads:residual", "--steps", "2",
+         "--report", "run.json", "--trace", "trace.json", "--save", "w.pt"],
+        tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "step   0  loss" in done.stdout and "step   1  loss" in done.stdout
+    assert "stage 3 (rank 0)" in done.stdout  # the printed partition, V placement
+    report = json.loads((tmp_path / "run.json").read_text())
+    assert len(report["step_times"]) == 2 and report["median_step_s"] > 0
+    expected, losses = reference("residual")
+    assert report["losses"] == pytest.approx(losses, abs=1e-5)
+    assert [r["rank"] for r in report["ranks"]] == [0, 1]
+    for row in report["ranks"]:
+        assert {"compute_s", "comm_wait_s", "idle_s"} <= set(row)
+        assert row["peak_activations"] == row["peak_activations_predicted"]
+    assert_same_weights(torch.load(tmp_path / "w.pt"), expected)
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    slices = [e for e in events if e["ph"] == "X"]
+    # every compute action of both steps appears once on its rank: zbv P=2 M=4 has 4 stages x 4 mbs x F, I, W
+    computed = [e["name"] for e in slices if e["cat"] in ("F", "B", "I", "W")]
+    assert len(computed) == 2 * 4 * 4 * 3 and {e["tid"] for e in slices} == {0, 1}
+    assert any(e["ph"] == "s" for e in events)  # send -> receive arrows
+
+
+def test_torchrun_launch(tmp_path: Path) -> None:
+    done = run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "pipec.run",
+         "1f1b", "-P", "2", "-M", "4", "--model", "workloads:mlp", "--save", "w.pt"],
+        tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    expected, _ = reference("mlp")
+    assert_same_weights(torch.load(tmp_path / "w.pt"), expected)
+
+
+def test_a_killed_worker_stops_every_rank_with_a_clear_error(tmp_path: Path) -> None:
+    start = time.monotonic()
+    done = run(
+        [*PIPEC, "run", "1f1b", "-P", "4", "-M", "4", "--model", "workloads:dies", "--partition", "2,2,3,2",
+         "--timeout", "10"],
+        tmp_path,
+        timeout=120,  # a hang guard only: the process group timeout is 10 s
+    )  # fmt: skip
+    elapsed = time.monotonic() - start
+    print(f"pipec run with a killed rank exited after {elapsed:.1f} s (rc {done.returncode})\n{done.stderr}")
+    assert done.returncode == 3
+    lines = done.stderr.splitlines()
+    assert "rank 2: the process was killed by SIGKILL" in done.stderr
+    for rank in (0, 1, 3):  # each survivor names itself, the step and the instruction it was blocked in
+        assert any(line.strip().startswith(f"rank {rank}: step 1, instruction ") for line in lines), rank
+    assert "step   0  loss" in done.stdout
+
+
+def write_csv(tmp_path: Path, rows: list[str]) -> str:
+    path = tmp_path / "schedule.csv"
+    path.write_text("\n".join(rows) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("extra", "code", "message"),
+    [
+        (["--model", "no_such_module:make"], 2, "cannot import no_such_module"),
+        (["--model", "workloads:no_such_factory"], 2, "has no function no_such_factory"),
+        (["--model", "workloads:mlp", "--partition", "1,2"], 2, "expected 2 positive layer counts"),
+        (["--model", "workloads:mlp", "-M", "3"], 2, "not divisible by the 3 micro-batches"),
+        (["--model", "workloads:mlp", "--steps", "0"], 2, "--steps"),
+    ],
+)
+def test_bad_input_is_refused_before_any_process_starts(extra, code, message, capsys) -> None:
+    args = ["run", "1f1b", "-P", "2", *extra]
+    if "-M" not in extra:
+        args += ["-M", "4"]
+    assert cli_main(args) == code
+    assert message in capsys.readouterr().err
+
+
+def test_more_stages_than_layers_is_bad_input(capsys) -> None:
+    assert cli_main(["run", "interleaved_1f1b", "-P", "2", "-M", "4", "--model", "workloads:tiny"]) == 2
+    assert "the model has 2 layers but the schedule has 4 stages" in capsys.readouterr().err
+
+
+def test_an_invalid_schedule_is_refused_with_exit_1(tmp_path: Path, capsys) -> None:
+    # rank 1 runs its backward before its forward: the verifier finds the deadlock, nothing is launched
+    schedule = write_csv(tmp_path, ["0F0,0B0", "1B0,1F0"])
+    assert cli_main(["run", schedule, "--model", "workloads:mlp"]) == 1
+    assert "deadlock" in capsys.readouterr().err
+
+
+def brute_force(weights: list[float], parts: int) -> float:
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, len(weights)), parts - 1):
+        bounds = (0, *cuts, len(weights))
+        best = min(best, max(sum(weights[a:b]) for a, b in itertools.pairwise(bounds)))
+    return best
+
+
+def test_partition_is_optimal_and_contiguous() -> None:
+    rng = random.Random(5)
+    for _ in range(200):
+        n = rng.randint(1, 9)
+        parts = rng.randint(1, n)
+        weights = [float(rng.randint(0, 20)) for _ in range(n)]
+        sizes = optimal_partition(weights, parts)
+        assert len(sizes) == parts and sum(sizes) == n and min(sizes) >= 1
+        bounds = [0, *itertools.accumulate(sizes)]
+        largest = max(sum(weights[a:b]) for a, b in itertools.pairwise(bounds))
+        assert largest == brute_force(weights, parts)

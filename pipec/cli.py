@@ -90,6 +90,7 @@ COMMAND_MODULES = {
     "viz": ("pipec.viz.command", "draw a schedule (SVG Gantt chart) or write a Chrome/Perfetto trace"),
     "run": ("pipec.runtime.command", "train a model with the schedule on torch.distributed"),
     "test": ("pipec.testing.command", "property-based check of a schedule over many (P, M, V)"),
+    "show": ("pipec.viz.show", "print a schedule's simulated timeline as a compact grid"),
 }
 
 

@@ -9,6 +9,13 @@ from pipec.sim.costs import DEFAULT_COSTS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--format", choices=("text", "json"), default="text")
+    parser.add_argument("-o", "--output", metavar="PATH", help="write here instead of standard output")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--cost and --p2p, shared by `pipec simulate`, `pipec viz` and `pipec show`."""
     parser.add_argument(
         "--cost",
         metavar="F=1,B=2,W=1,comm=0",
@@ -22,8 +29,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="point-to-point model: nccl (in-order matching, the runtime's rule; default), tagged (buffered sends) "
         "or ideal (compute order only, asynchronous messages: the papers' timeline)",
     )
-    parser.add_argument("--format", choices=("text", "json"), default="text")
-    parser.add_argument("-o", "--output", metavar="PATH", help="write here instead of standard output")
 
 
 def run_simulation(args: argparse.Namespace, record: bool = False):

@@ -53,8 +53,6 @@ def compute_orders(
         return load_text(text, filename, expected)
     if kind == "json":
         return load_json(text, filename, expected)
-    if ranks is None:
-        raise PipecInputError("the number of ranks is required (--ranks P)")
     try:
         return expand(parse(text, filename), ranks, microbatches, chunks, params, source=filename)
     except RecursionError:

@@ -45,7 +45,7 @@ def test_bad_pipe_file_gives_its_message(path: Path, capsys: pytest.CaptureFixtu
         (["compile", "1f1b", "-P", "4", "-M", "8", "--set", "M=1"], "set M with --microbatches"),
         (["compile", "dualpipev", "-P", "4", "-M", "6"], "DualPipeV needs at least as many micro-batches as stages"),
         (["compile", "missing.pipe", "-P", "4", "-M", "8"], "cannot read missing.pipe"),
-        (["compile", "1f1b"], "the number of ranks is required (--ranks P)"),
+        (["compile", "1f1b"], "needs parameter P (--ranks)"),
     ],
 )
 def test_bad_usage_exits_2_with_a_message(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -398,6 +398,21 @@ def _assigned_names(body: Iterable[ast.Stmt]) -> set[str]:
     return names
 
 
+def _refuse_assignments(body: Iterable[ast.Stmt], fixed: set[str]) -> None:
+    """Parameters, lets, S and the rank variable are fixed for the whole program: assigning one is an error."""
+    for s in body:
+        if isinstance(s, ast.Assign) and s.name in fixed:
+            raise PipecInputError(f"{s.name} is fixed for the whole schedule and cannot be assigned", s.span)
+        if isinstance(s, ast.For) and s.var in fixed:
+            raise PipecInputError(f"{s.var} is fixed for the whole schedule and cannot be a loop variable", s.span)
+        if isinstance(s, (ast.Repeat, ast.For, ast.While)):
+            _refuse_assignments(s.body, fixed)
+        elif isinstance(s, ast.If):
+            for _, branch in s.branches:
+                _refuse_assignments(branch, fixed)
+            _refuse_assignments(s.otherwise, fixed)
+
+
 def _evaluate(e: ast.Expr, env: Mapping[str, int], exact_division: bool = False) -> int:
     """Evaluate a header expression (no counters: count()/pending() belong to per-rank programs)."""
     if isinstance(e, (ast.Count, ast.Pending)):
@@ -523,6 +538,9 @@ def expand(
     try:
         for item in schedule.header:
             if isinstance(item, ast.Let):
+                if item.name in env or item.name in ("S", schedule.rank_var):
+                    message = f"'let {item.name}' would rebind {item.name}, which is already defined"
+                    raise PipecInputError(message, item.span)
                 env[item.name] = _evaluate(item.value, env)
             elif not _evaluate(item.test, env):
                 raise PipecInputError(f"{schedule.name}: {item.message}", item.span)
@@ -541,6 +559,15 @@ def expand(
         raise PipecInputError(e.message, e.span) from None
 
     rank_stages = [tuple(s for s, r in enumerate(placement) if r == rank) for rank in range(env["P"])]
+    uneven = [rank for rank, held in enumerate(rank_stages) if len(held) != env["V"]]
+    if uneven:
+        rank = uneven[0]
+        where = schedule.placement.span if schedule.placement is not None else schedule.span
+        raise PipecInputError(
+            f"the placement gives rank {rank} {len(rank_stages[rank])} stage(s) {list(rank_stages[rank])}; "
+            f"each rank must hold V = {env['V']}",
+            where,
+        )
     if schedule.body is not None:
         streams = _run_programs(schedule, env, rank_stages)
     else:
@@ -567,6 +594,12 @@ def _run_programs(
     schedule: ast.Schedule, env: dict[str, int], rank_stages: list[tuple[int, ...]]
 ) -> list[list[Instruction]]:
     assert schedule.body is not None and schedule.rank_var is not None
+    if schedule.rank_var in env:
+        raise PipecInputError(
+            f"the rank variable '{schedule.rank_var}' hides the parameter or let of the same name; rename one",
+            schedule.span,
+        )
+    _refuse_assignments(schedule.body, set(env) | {schedule.rank_var})
     known = set(env) | {schedule.rank_var} | _assigned_names(schedule.body)
     program = _Compiler(known).block(schedule.body)
     budget = 64 * (3 * env["M"] * env["V"] + env["P"]) + 100_000

@@ -100,12 +100,17 @@ def parse(text: str, filename: str = "<string>") -> ast.Schedule:
         column = token.column if token.column is not None else e.column
         if token.type == "$END" or line is None or line < 1:
             line, column = _end_position(text)
+        elif token.type == "_INDENT" and token.end_line is not None:
+            # The indenter places it on the newline before the line that indents: point at that line.
+            line, column = token.end_line, token.end_column
         if token.type in ("_NL", "_INDENT", "_DEDENT", "$END"):
             what = _TOKEN_NAMES[token.type]
         else:
             what = repr(str(token))
         width = max(1, len(str(token))) if token.type not in ("_NL", "_DEDENT", "_INDENT", "$END") else 1
         span = Span(filename, line, column, line, column + width, text)
+        if token.type == "_INDENT":  # what could have come instead is no help here
+            raise PipecSyntaxError("unexpected indentation: this line is deeper than its block", span) from None
         raise PipecSyntaxError(f"unexpected {what}; expected {_describe_expected(set(e.expected))}", span) from None
     except UnexpectedEOF as e:
         line, column = _end_position(text)
@@ -219,12 +224,15 @@ class _ToAst(Transformer):
 
     @v_args(meta=True)
     def count(self, meta: Any, children: list[Any]) -> ast.Count:
-        return ast.Count(children[0], self._span(meta))
+        op = children[0]
+        if op.at is not None or op.if_pending:
+            raise self._error("count(...) takes an op and an optional chunk: count(F), count(B[1])", meta)
+        return ast.Count(op, self._span(meta))
 
     @v_args(meta=True)
     def pending(self, meta: Any, children: list[Any]) -> ast.Pending:
         op = children[0]
-        if op.kind != "W":
+        if op.kind != "W" or op.if_pending:
             raise self._error("pending(...) counts weight gradients: write pending(W) or pending(W[c])", meta)
         return ast.Pending(op, self._span(meta))
 

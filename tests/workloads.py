@@ -90,4 +90,3 @@ def train_many(configs: list[tuple]) -> dict:
         except PipecError as e:  # the disagreement check raises on every rank at set-up, before any message
             out[key] = {"error": e.message}
     return out
-

@@ -160,44 +160,37 @@ def simulate(
     streams = program.streams
     # Enum members hash through Python code, so the hot loop compares kinds by identity only.
     k_f, k_b, k_i, k_w = Kind.F, Kind.B, Kind.I, Kind.W
-    k_sf, k_rf, k_sb = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B
+    k_sf, k_rf, k_sb, k_rb = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
 
     # Completion times for the data dependencies, flat arrays indexed stage * n_mb + mb (-1: not done yet).
-    n_mb = 1 + max((a.mb for st in streams for ins in st for a in ins.parts), default=0)
+    n_mb = program.microbatches
     forward_done = [-1.0] * (S * n_mb)
     grad_done = [-1.0] * (S * n_mb)  # B or I: the input gradient exists
 
     # A message is an int: (sending stage * n_mb + mb) * 2 + (0 forward, 1 backward).
     # nccl: per ordered pair (src * P + dst), the posted sends and receives in issue order.
     # tagged: per message, the posted send or the receive waiting for it.
-    # An entry: [post_time, message, rank, batch_key, position]; batch_key = (rank, first position of the batch).
-    sends: dict[int, list] = {}
-    recvs: dict[int, list] = {}
+    # An entry: [post_time, message, rank, position]. A rank has at most one posted batch, so the batch's
+    # bookkeeping is per rank: how many of its ops still wait for a counterpart, and when it may end so far.
+    sends: list[list] = [[] for _ in range(P * P)]
+    recvs: list[list] = [[] for _ in range(P * P)]
     tagged_sends: dict[int, list] = {}
     tagged_recvs: dict[int, list] = {}
-    missing: dict[tuple[int, int], int] = {}  # batch -> counterparts not posted yet
-    release_at: dict[tuple[int, int], float] = {}  # batch -> when it may end, as far as known
+    missing = [0] * P
+    release_at = [0.0] * P
 
     time = [0.0] * P
     position = [0] * P
     busy = [0.0] * P
     comm = [0.0] * P
-    first = [-1.0] * P
+    # when each rank's first compute starts: 0 unless it opens with a send/recv batch
+    first = [0.0 if s and not (type(s[0]) is Action and s[0].kind.is_comm) else -1.0 for s in streams]
     posted = [False] * P  # is the batch at position[r] posted?
     batch_end_pos = [0] * P
     timeline: list[list[TimedOp]] = [[] for _ in range(P)]
     messages: list[Message] = []
     ready = deque(range(P))
-    queued = [True] * P
-
-    def release(entry: list, when: float) -> None:
-        key = entry[3]
-        if release_at[key] < when:
-            release_at[key] = when
-        missing[key] -= 1
-        if missing[key] == 0 and not queued[key[0]]:
-            queued[key[0]] = True
-            ready.append(key[0])
+    active = [True] * P  # queued or running: a release need not wake it
 
     def matched(send_entry: list, recv_entry: list) -> None:
         """Both ends of one message are posted: fix its times and tell both batches."""
@@ -206,69 +199,55 @@ def simulate(
         if tagged:  # the data left when the send was posted; the sender did not wait
             end = max(recv_entry[0], send_entry[0] + message_time)
             start = end - message_time
+            ends = ((recv_entry[2], end),)
         else:
             start = max(send_entry[0], recv_entry[0])
             end = start + message_time
-            release(send_entry, start + send_release)
-        release(recv_entry, end)
+            ends = ((send_entry[2], start + send_release), (recv_entry[2], end))
+        for who, when in ends:
+            if release_at[who] < when:
+                release_at[who] = when
+            missing[who] -= 1
+            if missing[who] == 0 and not active[who]:
+                active[who] = True
+                ready.append(who)
         if record:
             s_rank, r_rank = send_entry[2], recv_entry[2]
-            send, recv = streams[s_rank][send_entry[4]], streams[r_rank][recv_entry[4]]
+            send, recv = streams[s_rank][send_entry[3]], streams[r_rank][recv_entry[3]]
             messages.append(Message(send, recv, s_rank, r_rank, start, end))
 
-    def post(rank: int, i: int, action: Action, t: float, key: tuple[int, int]) -> None:
-        stage, kind, mb = action
-        if kind is k_sf or kind is k_rf:
-            sender = stage if kind is k_sf else stage - 1
-            receiver, message = sender + 1, (sender * n_mb + mb) * 2
-        else:
-            sender = stage if kind is k_sb else stage + 1
-            receiver, message = sender - 1, (sender * n_mb + mb) * 2 + 1
-        if not (0 <= sender < S and 0 <= receiver < S):
-            raise ScheduleError(f"rank {rank}: op {i} {action} talks to a stage that does not exist")
-        is_send = kind is k_sf or kind is k_sb
-        entry = [t, message, rank, key, i]
-        if tagged:
-            if is_send:
-                if message in tagged_sends:
-                    raise ScheduleError(f"rank {rank}: op {i} {action} sends a message a second time")
-                tagged_sends[message] = entry
-                missing[key] -= 1  # a buffered send waits for nobody
-                waiting = tagged_recvs.pop(message, None)
-                if waiting is not None:
-                    matched(entry, waiting)
-            elif message in tagged_sends:
-                matched(tagged_sends[message], entry)
-            else:
-                tagged_recvs[message] = entry
-            return
+    def post_tagged(entry: list, is_send: bool) -> None:
+        message = entry[1]
         if is_send:
-            pair = rank * P + where[receiver]
-            mine, theirs = sends.setdefault(pair, []), recvs.setdefault(pair, [])
+            if message in tagged_sends:
+                rank, i = entry[2], entry[3]
+                raise ScheduleError(f"rank {rank}: op {i} {streams[rank][i]} sends a message a second time")
+            tagged_sends[message] = entry
+            waiting = tagged_recvs.pop(message, None)
+            if waiting is not None:
+                matched(entry, waiting)
+            return
+        missing[entry[2]] += 1
+        if message in tagged_sends:
+            matched(tagged_sends[message], entry)
         else:
-            pair = where[sender] * P + rank
-            mine, theirs = recvs.setdefault(pair, []), sends.setdefault(pair, [])
-        k = len(mine)
-        mine.append(entry)
-        if k < len(theirs):
-            if is_send:
-                matched(entry, theirs[k])
-            else:
-                matched(theirs[k], entry)
+            tagged_recvs[message] = entry
 
     while ready:
         rank = ready.popleft()
-        queued[rank] = False
         stream = streams[rank]
         n = len(stream)
         pos = position[rank]
         t = time[rank]
         line = timeline[rank]
+        work = 0.0  # compute time in this run of the rank, added to busy[rank] when it stops
         while pos < n:
             instruction = stream[pos]
             if type(instruction) is Action:
                 stage, kind, mb = instruction
                 index = stage * n_mb + mb
+                if (mb < 0 or mb >= n_mb) and kind.is_compute:
+                    raise ScheduleError(f"rank {rank}: op {pos} {instruction} names a micro-batch out of range")
                 if kind is k_f:
                     if stage > 0 and not 0 <= forward_done[index - n_mb] <= t:
                         _early(instruction, rank, pos, f"the forward of stage {stage - 1}")
@@ -286,36 +265,81 @@ def simulate(
                         _early(instruction, rank, pos, f"the input-gradient backward (I) of stage {stage}")
                     end_time = t + d_w[stage]
                 else:  # a send/recv: the start of a batch
-                    key = (rank, pos)
                     if not posted[rank]:
-                        end = pos
-                        while end < n and type(stream[end]) is Action:
-                            k = stream[end].kind
-                            if k is k_f or k is k_i or k is k_w or k is k_b:
-                                break
-                            end += 1
-                        batch_end_pos[rank] = end
                         posted[rank] = True
-                        missing[key] = end - pos
-                        release_at[key] = t
-                        for i in range(pos, end):
-                            post(rank, i, stream[i], t, key)
-                    if missing[key]:
+                        release_at[rank] = t
+                        end = pos
+                        while end < n:
+                            action = stream[end]
+                            if type(action) is not Action:
+                                break
+                            stage, kind, mb = action
+                            if kind is k_sf:
+                                is_send, sender, receiver, message = True, stage, stage + 1, (stage * n_mb + mb) * 2
+                            elif kind is k_rf:
+                                is_send, sender, receiver = False, stage - 1, stage
+                                message = ((stage - 1) * n_mb + mb) * 2
+                            elif kind is k_sb:
+                                is_send, sender, receiver = True, stage, stage - 1
+                                message = (stage * n_mb + mb) * 2 + 1
+                            elif kind is k_rb:
+                                is_send, sender, receiver = False, stage + 1, stage
+                                message = ((stage + 1) * n_mb + mb) * 2 + 1
+                            else:
+                                break
+                            if sender < 0 or receiver < 0 or sender >= S or receiver >= S or not 0 <= mb < n_mb:
+                                raise ScheduleError(
+                                    f"rank {rank}: op {end} {action} names a stage or micro-batch out of range"
+                                )
+                            entry = [t, message, rank, end]
+                            end += 1
+                            if tagged:
+                                post_tagged(entry, is_send)
+                                continue
+                            missing[rank] += 1
+                            if is_send:
+                                pair = rank * P + where[receiver]
+                                mine, theirs = sends[pair], recvs[pair]
+                            else:
+                                pair = where[sender] * P + rank
+                                mine, theirs = recvs[pair], sends[pair]
+                            k = len(mine)
+                            mine.append(entry)
+                            if k < len(theirs):
+                                other = theirs[k]
+                                if record or other[1] != message:
+                                    matched(entry, other) if is_send else matched(other, entry)
+                                else:  # matched(), inlined: the hot path of the nccl model
+                                    start = t if t > other[0] else other[0]
+                                    mine_end = start + (send_release if is_send else message_time)
+                                    peer = other[2]
+                                    if release_at[rank] < mine_end:
+                                        release_at[rank] = mine_end
+                                    missing[rank] -= 1
+                                    peer_end = start + (message_time if is_send else send_release)
+                                    if release_at[peer] < peer_end:
+                                        release_at[peer] = peer_end
+                                    missing[peer] -= 1
+                                    if missing[peer] == 0 and not active[peer]:
+                                        active[peer] = True
+                                        ready.append(peer)
+                        batch_end_pos[rank] = end
+                    if missing[rank]:
+                        active[rank] = False
                         break  # blocked: woken when the last counterpart is posted
-                    end_time = release_at.pop(key)
-                    del missing[key]
+                    end_time = release_at[rank]
                     posted[rank] = False
                     comm[rank] += end_time - t
+                    if first[rank] < 0:  # a rank that starts by receiving starts computing after that batch
+                        first[rank] = end_time
                     if record:
                         line.append(TimedOp(rank, t, end_time, tuple(stream[pos : batch_end_pos[rank]])))
                     t = end_time
                     pos = batch_end_pos[rank]
                     continue
-                if first[rank] < 0:
-                    first[rank] = t
                 if record:
                     line.append(TimedOp(rank, t, end_time, instruction))
-                busy[rank] += end_time - t
+                work += end_time - t
                 t = end_time
                 pos += 1
                 continue
@@ -341,15 +365,14 @@ def simulate(
                     forward_done[stage * n_mb + mb] = end_time
                 elif kind is not k_w:
                     grad_done[stage * n_mb + mb] = end_time
-            if first[rank] < 0:
-                first[rank] = t
             if record:
                 line.append(TimedOp(rank, t, end_time, instruction))
-            busy[rank] += end_time - t
+            work += end_time - t
             t = end_time
             pos += 1
         position[rank] = pos
         time[rank] = t
+        busy[rank] += work
 
     stuck = [r for r in range(P) if position[r] < len(streams[r])]
     if stuck:
@@ -472,12 +495,12 @@ def _ordinal(k: int) -> str:
 
 def _mismatch(program: Program, send_entry: list, recv_entry: list) -> str:
     src, dst = send_entry[2], recv_entry[2]
-    send, recv = program.streams[src][send_entry[4]], program.streams[dst][recv_entry[4]]
-    k = sum(1 for a in program.streams[src][: send_entry[4] + 1] if _is_send_to(program, a, src, dst))
+    send, recv = program.streams[src][send_entry[3]], program.streams[dst][recv_entry[3]]
+    k = sum(1 for a in program.streams[src][: send_entry[3] + 1] if _is_send_to(program, a, src, dst))
     return (
         f"p2p order mismatch between rank {src} and rank {dst}: the {_ordinal(k)} message from rank {src} to "
-        f"rank {dst} is {send} (op {send_entry[4]} on rank {src}), but the {_ordinal(k)} receive on rank {dst} "
-        f"from rank {src} is {recv} (op {recv_entry[4]}); messages on one pair of ranks match in issue order"
+        f"rank {dst} is {send} (op {send_entry[3]} on rank {src}), but the {_ordinal(k)} receive on rank {dst} "
+        f"from rank {src} is {recv} (op {recv_entry[3]}); messages on one pair of ranks match in issue order"
     )
 
 
@@ -506,11 +529,11 @@ def _deadlock_message(program: Program, stuck: list[int], position: list[int], s
             stage, kind, _ = action
             if kind in _SEND:
                 peer = program.stage_to_rank[stage + (1 if kind is Kind.SEND_F else -1)]
-                mine, theirs = sends.get(rank * P + peer, []), recvs.get(rank * P + peer, [])
+                mine, theirs = sends[rank * P + peer], recvs[rank * P + peer]
             else:
                 peer = program.stage_to_rank[stage + (-1 if kind is Kind.RECV_F else 1)]
-                mine, theirs = recvs.get(peer * P + rank, []), sends.get(peer * P + rank, [])
-            k = next((j for j, e in enumerate(mine) if e[2] == rank and e[4] == i), None)
+                mine, theirs = recvs[peer * P + rank], sends[peer * P + rank]
+            k = next((j for j, e in enumerate(mine) if e[2] == rank and e[3] == i), None)
             if k is not None and k >= len(theirs):
                 what = "receive" if kind in _SEND else "send"
                 waiting.append(f"{action} waits for rank {peer} to post its {_ordinal(k + 1)} {what}")

@@ -57,7 +57,7 @@ def render_svg(result, arrows: bool = False, title: str | None = None, width: in
         y = _TOP + r * (_ROW + _GAP)
         out.append(f'<text x="{_LEFT - 8}" y="{y + _ROW * 0.68:.1f}" font-size="12" text-anchor="end">rank {r}</text>')
         out.append(
-            f'<rect x="{_LEFT}" y="{y}" width="{makespan * scale:.2f}" height="{_ROW}" fill="#ffffff" '
+            f'<rect x="{_LEFT}" y="{y}" width="{makespan * scale:.1f}" height="{_ROW}" fill="#ffffff" '
             'stroke="#c8c8c8" stroke-width="0.8"/>'
         )
     font = max(6.0, min(11.0, _min_width(result) * scale * 0.55))
@@ -69,7 +69,7 @@ def render_svg(result, arrows: bool = False, title: str | None = None, width: in
                 if w > 0.3:
                     names = " ".join(map(str, op.instruction))
                     out.append(
-                        f'<rect x="{x:.2f}" y="{y + _ROW - 3}" width="{w:.2f}" height="3" fill="#9a9a9a">'
+                        f'<rect x="{x:.1f}" y="{y + _ROW - 3}" width="{w:.1f}" height="3" fill="#9a9a9a">'
                         f"<title>{escape(names)} {op.start:g}-{op.end:g}</title></rect>"
                     )
                 continue
@@ -91,11 +91,11 @@ def _box(action: Action, x, y, w, h, chunk_of, chunks, font, start, end) -> str:
     label = ""
     if w >= font * 0.75 * len(str(action.mb)) and h >= font:
         label = (
-            f'<text x="{x + w / 2:.2f}" y="{y + h / 2 + font * 0.36:.2f}" font-size="{font:.1f}" '
+            f'<text x="{x + w / 2:.1f}" y="{y + h / 2 + font * 0.36:.1f}" font-size="{font:.1f}" '
             f'text-anchor="middle" fill="{_text_colour(chunk, chunks)}">{action.mb}</text>'
         )
     return (
-        f'<g><rect x="{x:.2f}" y="{y:.2f}" width="{w:.2f}" height="{h:.2f}" fill="{fill}" stroke="#ffffff" '
+        f'<g><rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" fill="{fill}" stroke="#ffffff" '
         f'stroke-width="0.6"><title>{action} (chunk {chunk}) {start:g}-{end:g}</title></rect>{label}</g>'
     )
 
@@ -124,7 +124,7 @@ def _arrows(result, scale: float) -> str:
         y1 = _TOP + m.src * (_ROW + _GAP) + (_ROW if m.dst > m.src else 0)
         y2 = _TOP + m.dst * (_ROW + _GAP) + (0 if m.dst > m.src else _ROW)
         lines.append(
-            f'<line x1="{_LEFT + m.start * scale:.2f}" y1="{y1}" x2="{_LEFT + m.end * scale:.2f}" y2="{y2}" '
+            f'<line x1="{_LEFT + m.start * scale:.1f}" y1="{y1}" x2="{_LEFT + m.end * scale:.1f}" y2="{y2}" '
             'stroke="#d04040" stroke-width="0.8" stroke-opacity="0.7" marker-end="url(#head)"/>'
         )
     return "\n".join(lines)
@@ -132,12 +132,12 @@ def _arrows(result, scale: float) -> str:
 
 def _axis(makespan: float, scale: float, y: float) -> list[str]:
     step = _nice_step(makespan / 10)
-    out = [f'<line x1="{_LEFT}" y1="{y}" x2="{_LEFT + makespan * scale:.2f}" y2="{y}" stroke="#888"/>']
+    out = [f'<line x1="{_LEFT}" y1="{y}" x2="{_LEFT + makespan * scale:.1f}" y2="{y}" stroke="#888"/>']
     t = 0.0
     while t <= makespan + 1e-9:
         x = _LEFT + t * scale
-        out.append(f'<line x1="{x:.2f}" y1="{y}" x2="{x:.2f}" y2="{y + 4}" stroke="#888"/>')
-        out.append(f'<text x="{x:.2f}" y="{y + 15}" font-size="10" text-anchor="middle" fill="#555">{t:g}</text>')
+        out.append(f'<line x1="{x:.1f}" y1="{y}" x2="{x:.1f}" y2="{y + 4}" stroke="#888"/>')
+        out.append(f'<text x="{x:.1f}" y="{y + 15}" font-size="10" text-anchor="middle" fill="#555">{t:g}</text>')
         t += step
     return out
 

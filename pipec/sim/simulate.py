@@ -142,6 +142,15 @@ def simulate(
     taking ``message_time``; the timeline the papers draw, independent of where send/recv were placed).
     Raises ScheduleError on a p2p order mismatch, a deadlock, or a compute op that runs before its input.
     """
+    try:
+        return _simulate(program, costs, record, input_fraction, p2p)
+    except IndexError:  # a stage index beyond the placement; the structure check names it precisely
+        raise ScheduleError(
+            "an instruction names a stage outside the schedule's placement (run `pipec check` for details)"
+        ) from None
+
+
+def _simulate(program: Program, costs: Costs, record: bool, input_fraction: float, p2p: str) -> SimResult:
     if not program.has_comms and p2p != "ideal":
         from pipec.passes.p2p import insert_p2p_ops
 
@@ -178,6 +187,10 @@ def simulate(
     tagged_recvs: dict[int, list] = {}
     missing = [0] * P
     release_at = [0.0] * P
+    # the ordered pair of ranks of the message stage s sends forward (to s+1) or backward (to s-1); -1: none.
+    # Indexed with stage + 1 for RECV_B and stage - 1 for RECV_F; index -1 and S hit the sentinel -1 entries.
+    fwd_pair = [where[s] * P + where[s + 1] for s in range(S - 1)] + [-1, -1]
+    bwd_pair = [-1] + [where[s] * P + where[s - 1] for s in range(1, S)] + [-1]
 
     time = [0.0] * P
     position = [0] * P
@@ -274,22 +287,21 @@ def simulate(
                             if type(action) is not Action:
                                 break
                             stage, kind, mb = action
+                            # pair tables: ordered pair of ranks (src * P + dst) per stage, -1 where none exists
                             if kind is k_sf:
-                                is_send, sender, receiver, message = True, stage, stage + 1, (stage * n_mb + mb) * 2
+                                is_send, pair, message = True, fwd_pair[stage], (stage * n_mb + mb) * 2
                             elif kind is k_rf:
-                                is_send, sender, receiver = False, stage - 1, stage
-                                message = ((stage - 1) * n_mb + mb) * 2
+                                is_send, pair, message = False, fwd_pair[stage - 1], ((stage - 1) * n_mb + mb) * 2
                             elif kind is k_sb:
-                                is_send, sender, receiver = True, stage, stage - 1
-                                message = (stage * n_mb + mb) * 2 + 1
+                                is_send, pair, message = True, bwd_pair[stage], (stage * n_mb + mb) * 2 + 1
                             elif kind is k_rb:
-                                is_send, sender, receiver = False, stage + 1, stage
-                                message = ((stage + 1) * n_mb + mb) * 2 + 1
+                                is_send, pair, message = False, bwd_pair[stage + 1], ((stage + 1) * n_mb + mb) * 2 + 1
                             else:
                                 break
-                            if sender < 0 or receiver < 0 or sender >= S or receiver >= S or not 0 <= mb < n_mb:
+                            if pair < 0 or where[stage] != rank or mb < 0 or mb >= n_mb:
                                 raise ScheduleError(
-                                    f"rank {rank}: op {end} {action} names a stage or micro-batch out of range"
+                                    f"rank {rank}: op {end} {action} names a stage or micro-batch out of range, "
+                                    "or a stage this rank does not hold"
                                 )
                             entry = [t, message, rank, end]
                             end += 1
@@ -298,10 +310,8 @@ def simulate(
                                 continue
                             missing[rank] += 1
                             if is_send:
-                                pair = rank * P + where[receiver]
                                 mine, theirs = sends[pair], recvs[pair]
                             else:
-                                pair = where[sender] * P + rank
                                 mine, theirs = recvs[pair], sends[pair]
                             k = len(mine)
                             mine.append(entry)

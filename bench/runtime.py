@@ -8,7 +8,8 @@ micro-batches of 32 rows. torch's GPipe, 1F1B, Interleaved1F1B and InterleavedZe
 gpipe, 1f1b, interleaved_1f1b and interleaved_zb on the same stage split (V=2 for the interleaved ones), in
 alternating rounds inside the same 4 processes (one thread each). A step is zero_grad + the schedule + the
 optimizer step; its time is the slowest rank's. Printed: median step times, the pipec/torch ratio, and pipec's
-interpreter cost per instruction (the loop's time outside torch's compute calls and p2p batches).
+interpreter cost per instruction: "loop" is the loop's time outside torch's compute calls and p2p batches (dict
+bookkeeping, receive buffers, freeing tensors), "dispatch" the bare loop with no-op handlers.
 """
 
 from __future__ import annotations
@@ -106,6 +107,23 @@ class PipecRun:
         return self.runner.step((x, y)).wall_s
 
 
+def dispatch_cost(runner, repeats: int = 200) -> float:
+    """Seconds per instruction of the bare loop and dispatch: the rank's compute stream with every handler
+    replaced by a no-op (what the interpreter adds per instruction before any handler work)."""
+    from pipec.runtime import interpreter
+
+    entries = interpreter.plan(runner.program.compute_streams()[runner.rank])
+    handlers = dict(interpreter.DISPATCH)
+    interpreter.DISPATCH.update({kind: lambda ctx, action: None for kind in handlers})
+    try:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            interpreter.run(runner.ctx, entries, [], [])
+        return (time.perf_counter() - start) / repeats / max(1, len(entries))
+    finally:
+        interpreter.DISPATCH.update(handlers)
+
+
 def worker(sizes: list[tuple[int, int]], microbatches: int, rounds: int, steps: int) -> dict:
     import torch
     import torch.distributed as dist
@@ -131,10 +149,12 @@ def worker(sizes: list[tuple[int, int]], microbatches: int, rounds: int, steps: 
             runner = runs["pipec"].runner
             stats = runner.step((x, y))  # one more step, for the interpreter's own cost
             interp = (stats.loop_s - stats.compute_s - stats.comm_s) / len(runner.program.streams[dist.get_rank()])
+            dispatch = dispatch_cost(runner)
             out[(hidden, rows, label)] = {
                 "torch": statistics.median(times["torch"]),
                 "pipec": statistics.median(times["pipec"]),
                 "interp_us": slowest(interp) * 1e6,
+                "dispatch_us": slowest(dispatch) * 1e6,
             }
     return out
 
@@ -157,12 +177,15 @@ def main() -> None:
         f"{args.ranks} gloo ranks, 1 thread each, {BLOCKS} x (Linear+ReLU), M={args.microbatches}, "
         f"{args.rounds} alternating rounds x {args.steps} steps, median step (slowest rank)"
     )
-    print(f"{'H/mb':<8} {'schedule':<22} {'torch ms':>9} {'pipec ms':>9} {'pipec/torch':>12} {'interp us/instr':>16}")
+    print(
+        f"{'H/mb':<8} {'schedule':<22} {'torch ms':>9} {'pipec ms':>9} {'pipec/torch':>12} "
+        f"{'loop us/instr':>14} {'dispatch us/instr':>18}"
+    )
     for (hidden, rows, label), row in results.items():
         ratio = row["pipec"] / row["torch"]
         print(
             f"{f'{hidden}/{rows}':<8} {label:<22} {row['torch'] * 1e3:9.2f} {row['pipec'] * 1e3:9.2f} "
-            f"{ratio:12.2f} {row['interp_us']:16.1f}"
+            f"{ratio:12.2f} {row['interp_us']:14.1f} {row['dispatch_us']:18.2f}"
         )
     print(f"({time.perf_counter() - start:.0f} s)")
 

@@ -363,7 +363,14 @@ def rank_or_unknown() -> str:
 
 def run_worker(program: Program, options: Options) -> None:
     """The function every `pipec run` worker runs (rank 0 prints and writes)."""
-    train(program, options, say=lambda text: print(text, flush=True))
+    train(program, options, say=_print)
+
+
+def _print(text: str) -> None:
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # `pipec run ... | head`: keep training, stop printing
+        pass
 
 
 def validate(program: Program, options: Options) -> None:

@@ -83,6 +83,20 @@ def test_a_killed_worker_stops_every_rank_with_a_clear_error(tmp_path: Path) -> 
     assert "step   0  loss" in done.stdout
 
 
+def test_a_hung_worker_is_ended_by_the_watchdog_and_the_others_time_out(tmp_path: Path) -> None:
+    done = run(
+        [*PIPEC, "run", "1f1b", "-P", "4", "-M", "4", "--model", "workloads:hangs", "--partition", "2,2,3,2",
+         "--timeout", "3"],
+        tmp_path,
+        timeout=120,  # a hang guard only
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    # the hung rank: its watchdog saw no progress for timeout + 5 s, inside stage 2's first forward of step 1
+    assert "rank 2: no progress for 8 s at step 1, instruction 1 (2F0)" in done.stderr
+    for rank in (0, 1, 3):  # its neighbours' p2p ops timed out after --timeout
+        assert f"rank {rank}: step 1, instruction" in done.stderr and "Timed out" in done.stderr
+
+
 def write_csv(tmp_path: Path, rows: list[str]) -> str:
     path = tmp_path / "schedule.csv"
     path.write_text("\n".join(rows) + "\n")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 from torch import nn
@@ -63,6 +64,23 @@ def dies() -> Workload:
     modules = list(work.layers)
     modules.insert(5, DieOnce(after=6))  # inside stage 2 under the explicit partition 2,2,3,2
     work.layers = nn.Sequential(*modules)
+    return work
+
+
+class HangOnce(DieOnce):
+    """Blocks (sleeps) forever on its n-th forward: a hung worker, for the watchdog test."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.after:
+            time.sleep(10**6)
+        return x
+
+
+def hangs() -> Workload:
+    """Like `dies`, but the third stage's rank hangs instead of dying."""
+    work = dies()
+    work.layers[5] = HangOnce(after=6)
     return work
 
 

@@ -203,7 +203,9 @@ def train(program: Program, options: Options, say=print) -> dict:
     for k in range(steps):
         stats = runner.step(work.batches[k % len(work.batches)])
         # Outside the timed step: the slowest rank's time and the loss (held by the last stage's rank).
-        summary = torch.tensor([stats.wall_s, -1e300 if stats.loss is None else stats.loss], dtype=torch.float64)
+        summary = torch.tensor(
+            [stats.wall_s, -1e300 if stats.loss is None else stats.loss], dtype=torch.float64, device=runner.ctx.device
+        )  # on the rank's device: NCCL reduces CUDA tensors only
         dist.all_reduce(summary, op=dist.ReduceOp.MAX)
         step_s, loss = float(summary[0]), float(summary[1])
         records.append((step_s, loss, stats))

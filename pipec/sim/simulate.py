@@ -18,6 +18,7 @@ Peak activation memory comes from the one liveness function, ``pipec.verify.memo
 
 from __future__ import annotations
 
+import gc
 from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -142,12 +143,19 @@ def simulate(
     taking ``message_time``; the timeline the papers draw, independent of where send/recv were placed).
     Raises ScheduleError on a p2p order mismatch, a deadlock, or a compute op that runs before its input.
     """
+    # The run keeps one small record per message until the end; the cyclic garbage collector would rescan them
+    # again and again (it halves the speed at 800k instructions) and nothing here forms a cycle.
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         return _simulate(program, costs, record, input_fraction, p2p)
     except IndexError:  # a stage index beyond the placement; the structure check names it precisely
         raise ScheduleError(
             "an instruction names a stage outside the schedule's placement (run `pipec check` for details)"
         ) from None
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _simulate(program: Program, costs: Costs, record: bool, input_fraction: float, p2p: str) -> SimResult:
@@ -205,7 +213,7 @@ def _simulate(program: Program, costs: Costs, record: bool, input_fraction: floa
     ready = deque(range(P))
     active = [True] * P  # queued or running: a release need not wake it
 
-    def matched(send_entry: list, recv_entry: list) -> None:
+    def matched(send_entry: tuple, recv_entry: tuple) -> None:
         """Both ends of one message are posted: fix its times and tell both batches."""
         if send_entry[1] != recv_entry[1]:
             raise ScheduleError(_mismatch(program, send_entry, recv_entry))
@@ -229,7 +237,7 @@ def _simulate(program: Program, costs: Costs, record: bool, input_fraction: floa
             send, recv = streams[s_rank][send_entry[3]], streams[r_rank][recv_entry[3]]
             messages.append(Message(send, recv, s_rank, r_rank, start, end))
 
-    def post_tagged(entry: list, is_send: bool) -> None:
+    def post_tagged(entry: tuple, is_send: bool) -> None:
         message = entry[1]
         if is_send:
             if message in tagged_sends:
@@ -303,7 +311,7 @@ def _simulate(program: Program, costs: Costs, record: bool, input_fraction: floa
                                     f"rank {rank}: op {end} {action} names a stage or micro-batch out of range, "
                                     "or a stage this rank does not hold"
                                 )
-                            entry = [t, message, rank, end]
+                            entry = (t, message, rank, end)
                             end += 1
                             if tagged:
                                 post_tagged(entry, is_send)
@@ -413,54 +421,65 @@ def _simulate_dataflow(program: Program, costs: Costs, record: bool, input_fract
     durations = costs.per_stage(stages)
     delay = costs.message_time
     n_mb = 1 + max((a.mb for st in compute for ins in st for a in ins.parts), default=0)
-    done: dict[tuple[int, int, int], float] = {}  # (stage, 0 forward / 1 input gradient, mb) -> available time
-    waiting: dict[tuple[int, int, int], list[int]] = {}
+    # when each value exists, flat: (stage * n_mb + mb) * 2 + (0: the forward output, 1: the input gradient)
+    done = [-1.0] * (stages * n_mb * 2)
+    waiting: dict[int, list[int]] = {}
     time, position, busy, first = [0.0] * ranks, [0] * ranks, [0.0] * ranks, [-1.0] * ranks
     timeline: list[list[TimedOp]] = [[] for _ in range(ranks)]
     ready = deque(range(ranks))
-
-    def inputs(action: Action) -> list[tuple[int, int, int]]:
-        stage, kind, mb = action
-        if kind is Kind.F:
-            return [(stage - 1, 0, mb)] if stage > 0 else []
-        if kind is Kind.W:
-            return [(stage, 1, mb)]
-        return [(stage, 0, mb)] + ([(stage + 1, 1, mb)] if stage < stages - 1 else [])
+    k_f, k_w, k_i = Kind.F, Kind.W, Kind.I
+    d_f, d_b, d_i, d_w = (durations[k] for k in (Kind.F, Kind.B, Kind.I, Kind.W))
+    last = stages - 1
 
     while ready:
         rank = ready.popleft()
         stream = compute[rank]
+        n = len(stream)
+        pos = position[rank]
         t = time[rank]
-        while position[rank] < len(stream):
-            instruction = stream[position[rank]]
-            start, blocked = t, None
-            for action in instruction.parts:
-                for key in inputs(action):
-                    if key not in done:
+        while pos < n:
+            instruction = stream[pos]
+            start, blocked, end = t, -1, 0.0
+            for stage, kind, mb in instruction.parts:
+                base = (stage * n_mb + mb) * 2
+                if kind is k_f:
+                    needs = (base - 2 * n_mb,) if stage > 0 else ()
+                    end += d_f[stage]
+                elif kind is k_w:
+                    needs = (base + 1,)
+                    end += d_w[stage]
+                else:
+                    needs = (base, base + 2 * n_mb + 1) if stage < last else (base,)
+                    end += d_i[stage] if kind is k_i else d_b[stage]
+                for key in needs:
+                    when = done[key]
+                    if when < 0:
                         blocked = key
                         break
-                    hop = delay if where[key[0]] != rank else 0.0
-                    start = max(start, done[key] + hop)
-                if blocked:
+                    if where[key // (2 * n_mb)] != rank:
+                        when += delay
+                    if when > start:
+                        start = when
+                if blocked >= 0:
                     break
-            if blocked:
+            if blocked >= 0:
                 waiting.setdefault(blocked, []).append(rank)
                 break
-            end = start
-            for stage, kind, _mb in instruction.parts:
-                end += durations[kind][stage]
+            end += start
             for stage, kind, mb in instruction.parts:
-                if kind is not Kind.W:
-                    key = (stage, 0 if kind is Kind.F else 1, mb)
+                if kind is not k_w:
+                    key = (stage * n_mb + mb) * 2 + (0 if kind is k_f else 1)
                     done[key] = end
-                    ready.extend(waiting.pop(key, ()))
+                    if key in waiting:
+                        ready.extend(waiting.pop(key))
             if first[rank] < 0:
                 first[rank] = start
             if record:
                 timeline[rank].append(TimedOp(rank, start, end, instruction))
             busy[rank] += end - start
             t = end
-            position[rank] += 1
+            pos += 1
+        position[rank] = pos
         time[rank] = t
     stuck = [r for r in range(ranks) if position[r] < len(compute[r])]
     if stuck:

@@ -46,7 +46,42 @@ def _schedule_args(parser: argparse.ArgumentParser) -> None:
 
 def _verify_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--p2p", choices=("nccl", "tagged"), default="nccl", help="point-to-point model (default nccl)")
-    parser.add_argument("--memory-limit", type=_positive, metavar="N", help="activation units each rank may hold")
+    parser.add_argument(
+        "--memory-limit", type=_amount, metavar="N", help="activation units a rank may hold (default: declared bound)"
+    )
+    parser.add_argument(
+        "--input-fraction",
+        type=_amount,
+        default=0.5,
+        metavar="X",
+        help="share of a micro-batch's activations that I frees; W frees the rest (default 0.5)",
+    )
+    parser.add_argument(
+        "--stage-sizes", type=_sizes, metavar="A,B,...", help="activation units of a micro-batch, per stage (default 1)"
+    )
+
+
+def _amount(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
+    return value
+
+
+def _sizes(text: str) -> tuple[float, ...]:
+    return tuple(_amount(part.strip()) for part in text.split(","))
+
+
+def _verify_options(args: argparse.Namespace) -> dict:
+    return {
+        "p2p": args.p2p,
+        "memory_limit": args.memory_limit,
+        "input_fraction": args.input_fraction,
+        "stage_sizes": args.stage_sizes,
+    }
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -156,7 +191,7 @@ def _compile(args: argparse.Namespace) -> int:
     if not args.no_verify:
         from pipec.verify import verify
 
-        report = verify(program, p2p=args.p2p, memory_limit=args.memory_limit)
+        report = verify(program, **_verify_options(args))
         if not report.ok:
             print(report.render(), file=sys.stderr)
             return EXIT_INVALID
@@ -169,7 +204,7 @@ def _check(args: argparse.Namespace) -> int:
     from pipec.verify import verify
 
     program = compile_program(args.schedule, args.ranks, args.microbatches, args.chunks, _params(args))
-    report = verify(program, p2p=args.p2p, memory_limit=args.memory_limit)
+    report = verify(program, **_verify_options(args))
     p = program
     print(f"{p.name}: P={p.ranks} M={p.microbatches} V={p.chunks}, {p.num_stages} stages, p2p model {args.p2p}")
     print(report.render())

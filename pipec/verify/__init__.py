@@ -1,14 +1,30 @@
-"""Verification passes: Program -> report. `verify` runs them all and collects their verdicts."""
+"""Verification passes: Program -> Report. `verify` runs them all and collects their verdicts.
+
+    structure   every (stage, micro-batch) computed exactly once, in range, on its stage's rank; sends/receives
+                pair up one to one and cover every edge between ranks          structure.check_structure
+    p2p order   (nccl model) each channel's k-th send and k-th receive name the same message
+                                                                                order.check_p2p_order
+    deadlock    every rank's stream runs to its end under the p2p model         deadlock.check_deadlock
+    memory      each rank's peak activations stay within the declared bound or --memory-limit
+                                                                                memory.check_memory
+Later passes run only on a structurally sound program (they index stages and pair messages by name). What the
+models mean exactly is written down in docs/verification.md.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipec.errors import ScheduleError
+from pipec.errors import PipecInputError, ScheduleError
 from pipec.ir import Program
-from pipec.verify.deadlock import check_deadlock
-from pipec.verify.memory import check_memory, peak_activations
+from pipec.verify.deadlock import MODELS, check_deadlock, execute
+from pipec.verify.flat import flatten
+from pipec.verify.memory import DEFAULT_INPUT_FRACTION, check_memory, peak_activations, validate_memory_model
+from pipec.verify.order import check_p2p_order
 from pipec.verify.structure import check_structure
+
+DEFAULT_P2P = "nccl"
 
 
 @dataclass(frozen=True)
@@ -16,31 +32,43 @@ class Verdict:
     name: str
     ok: bool
     explanation: str = ""
+    note: str = ""  # shown after "ok" (e.g. the model a pass assumed)
 
 
 @dataclass(frozen=True)
 class Report:
-    program: Program
+    program: Program  # the program as checked (with send/recv inserted for the nccl model)
     verdicts: tuple[Verdict, ...]
     peak_memory: tuple[float, ...]
+    p2p: str = DEFAULT_P2P
+    memory_limit: float | None = None
 
     @property
     def ok(self) -> bool:
         return all(v.ok for v in self.verdicts)
 
+    def verdict(self, name: str) -> Verdict | None:
+        return next((v for v in self.verdicts if v.name == name), None)
+
     def render(self) -> str:
         lines = []
         for v in self.verdicts:
-            lines.append(f"{v.name:<10} {'ok' if v.ok else 'FAILED'}")
+            lines.append(f"{v.name:<10} {'ok' if v.ok else 'FAILED'}{'  ' + v.note if v.note else ''}")
             if not v.ok:
-                lines.extend("  " + line for line in v.explanation.splitlines())
-        lines.append("rank  ops  peak_activations" + ("  bound" if self.program.memory_bound else ""))
+                lines.extend("  " + line if line else "" for line in v.explanation.splitlines())
+        bounds = self._bounds()
+        lines.append("rank   ops  peak_activations" + ("  bound" if bounds else ""))
         for rank, stream in enumerate(self.program.streams):
-            row = f"{rank:>4} {len(stream):>4}  {self.peak_memory[rank]:>16g}"
-            if self.program.memory_bound:
-                row += f"  {self.program.memory_bound[rank]:>5}"
+            row = f"{rank:>4} {len(stream):>5}  {self.peak_memory[rank]:>16g}"
+            if bounds:
+                row += f"  {float(bounds[rank]):>5g}"
             lines.append(row)
         return "\n".join(lines)
+
+    def _bounds(self) -> tuple[float, ...] | None:
+        if self.memory_limit is not None:
+            return (self.memory_limit,) * self.program.ranks
+        return self.program.memory_bound
 
     def raise_if_failed(self) -> None:
         if not self.ok:
@@ -48,15 +76,50 @@ class Report:
             raise ScheduleError("\n".join(f"{v.name}: {v.explanation}" for v in failed))
 
 
-def verify(program: Program, p2p: str = "tagged", memory_limit: int | None = None) -> Report:
-    """Run the passes in order; later passes run only on a structurally sound program."""
-    verdicts = [Verdict("structure", *_ok(check_structure(program)))]
-    peaks = peak_activations(program)
+def verify(
+    program: Program,
+    p2p: str = DEFAULT_P2P,
+    memory_limit: float | None = None,
+    input_fraction: float = DEFAULT_INPUT_FRACTION,
+    stage_sizes: Sequence[float] | None = None,
+) -> Report:
+    """Run the passes in order. A sound compute-only program is checked under nccl as insert_p2p_ops lowers it."""
+    if p2p not in MODELS:
+        raise PipecInputError(f"unknown p2p model {p2p!r}; expected one of: {', '.join(MODELS)}")
+    if memory_limit is not None and memory_limit < 0:
+        raise PipecInputError(f"the memory limit must not be negative, got {memory_limit:g}")
+    sizes = validate_memory_model(program, input_fraction, stage_sizes)
+    flat = flatten(program)  # the int form every pass shares
+    verdicts = [Verdict("structure", *_ok(check_structure(program, flat)))]
     if verdicts[0].ok:
-        verdicts.append(Verdict("deadlock", *_ok(check_deadlock(program, p2p))))
-        verdicts.append(Verdict("memory", *_ok(check_memory(program, peaks, memory_limit))))
-    return Report(program, tuple(verdicts), peaks)
+        if p2p == "nccl" and not program.has_comms:  # positions in the explanations are the lowered program's
+            from pipec.passes.p2p import insert_p2p_ops
+
+            program = insert_p2p_ops(program)
+            flat = flatten(program)
+        if p2p == "nccl":
+            verdicts.append(Verdict("p2p order", *_ok(check_p2p_order(program, flat))))
+        verdicts.append(Verdict("deadlock", *_ok(check_deadlock(program, p2p, flat)), note=f"({p2p} model)"))
+    peaks = peak_activations(program, input_fraction, sizes)
+    if verdicts[0].ok:
+        verdicts.append(Verdict("memory", *_ok(check_memory(program, peaks, memory_limit, input_fraction, sizes))))
+    return Report(program, tuple(verdicts), peaks, p2p, memory_limit)
 
 
 def _ok(problems: list[str]) -> tuple[bool, str]:
     return (not problems, "\n".join(problems))
+
+
+__all__ = [
+    "DEFAULT_P2P",
+    "MODELS",
+    "Report",
+    "Verdict",
+    "check_deadlock",
+    "check_memory",
+    "check_p2p_order",
+    "check_structure",
+    "execute",
+    "peak_activations",
+    "verify",
+]

@@ -1,97 +1,288 @@
-"""check_deadlock: does every rank's stream run to the end?
+"""check_deadlock: does every rank's stream run to the end under a point-to-point model?
 
-Model `tagged` (buffered sends, receives matched by (stage, micro-batch)): an instruction may run once the
-work it depends on is done anywhere: F(s, m) after F(s-1, m); B/I(s, m) after F(s, m) and the backward of
-(s+1, m); W(s, m) after I(s, m); RECV after its SEND; SEND at any time after what precedes it on its rank.
-A schedule is deadlock-free under this model iff program order plus these dependencies form no cycle; the
-check finds that by running the streams with a worklist (linear in the number of instructions).
+The execution rule (shared with the runtime, written out in docs/verification.md):
+- each rank runs its stream in order; a maximal run of consecutive SEND/RECV instructions is one *batch*, posted
+  at once (one ``batch_isend_irecv``) and waited for as a whole before the next instruction;
+- a compute instruction runs once its inputs are on its rank: F(s, m) needs F(s-1, m) (same rank) or its
+  RECV_F(s, m) (other rank); B/I(s, m) need F(s, m) and the backward of (s+1, m) or its RECV_B(s, m); W(s, m)
+  needs I(s, m). A SEND needs the compute that produced what it sends. In a program without send/recv
+  instructions an input from another rank is simply the producing compute, wherever it runs;
+- ``tagged``: sends complete at once; a RECV completes once the SEND of the same message has been posted;
+- ``nccl``: the k-th send from rank a to rank b meets the k-th receive on b from a; every op, sends included,
+  completes once its counterpart has been posted (the peer reached the batch holding it).
+
+Each unit (a compute instruction or a batch) waits on conditions of the form "rank q has reached unit T"; all of
+them are monotone, so the set of units that ever run is unique and a worklist finds it in time linear in the
+number of instructions (plus a heap per rank for sleeping waiters). A rank stuck before the end is a deadlock:
+`explain` follows the chain of waits to its cycle and draws the step-by-rank grid around it.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+import heapq
+from collections import deque
+from dataclasses import dataclass
 
-from pipec.ir import Action, Instruction, Kind, Program
+from pipec.ir import Action, Kind, Program
+from pipec.verify.flat import RECV_B, RECV_F, SEND_B, SEND_F, B, F, Flat, I, W, flatten
 
-# What a finished action makes available: (stage, tag, mb), tag F = forward done, G = input gradient done,
-# W = weight gradient done, S_F / S_B = a message is in flight.
-Key = tuple[int, str, int]
-_DONE_TAG = {Kind.F: "F", Kind.B: "G", Kind.I: "G", Kind.W: "W", Kind.SEND_F: "S_F", Kind.SEND_B: "S_B"}
+MODELS = ("nccl", "tagged")
+
+# A wait: (rank q, threshold T, op index j on q, op index i of the waiting op on its own rank). It holds once rank
+# q's unit pointer is >= T. T is the unit of op j when we wait for j to be posted, that unit + 1 when we wait for
+# j to complete.
+Wait = tuple[int, int, int, int]
 
 
-def _needs(action: Action, last_stage: int) -> list[Key]:
+@dataclass(frozen=True)
+class Units:
+    """Each rank's stream cut into units: compute instructions and batches of consecutive send/recv ops."""
+
+    starts: tuple[tuple[int, ...], ...]  # op index where each unit starts, plus a sentinel = len(stream)
+    unit_of: tuple[tuple[int, ...], ...]  # op index -> unit index
+
+    def ops(self, rank: int, unit: int) -> range:
+        return range(self.starts[rank][unit], self.starts[rank][unit + 1])
+
+
+@dataclass(frozen=True)
+class Execution:
+    """Where each rank stopped (unit index; == number of units when it finished) and when each unit finished."""
+
+    model: str
+    units: Units
+    stop: tuple[int, ...]
+    blocked: dict[int, Wait]  # stuck rank -> the first wait of its unit that never holds
+    finish: tuple[tuple[int, ...], ...]  # step at which each executed unit completed (an ASAP lockstep timing)
+    waits: tuple[tuple[tuple[Wait, ...], ...], ...]
+
+    @property
+    def stuck(self) -> list[int]:
+        return [r for r, u in enumerate(self.stop) if u < len(self.units.starts[r]) - 1]
+
+
+def cut_units(flat: Flat) -> Units:
+    starts, unit_of = [], []
+    for rank_comm in flat.comm:
+        s: list[int] = []
+        of: list[int] = []
+        in_batch = False
+        for index, comm in enumerate(rank_comm):
+            if not (comm and in_batch):
+                s.append(index)
+            in_batch = comm
+            of.append(len(s) - 1)
+        s.append(len(rank_comm))
+        starts.append(tuple(s))
+        unit_of.append(tuple(of))
+    return Units(tuple(starts), tuple(unit_of))
+
+
+def peer_of(action: Action, stage_to_rank: tuple[int, ...]) -> int:
+    """The rank a SEND goes to or a RECV comes from."""
+    stage, kind = action.stage, action.kind
+    return stage_to_rank[stage + 1 if kind is Kind.SEND_F or kind is Kind.RECV_B else stage - 1]
+
+
+def counterpart(action: Action) -> Action:
+    """The op a send or receive pairs with by name: SEND_F(s, m) <-> RECV_F(s+1, m), SEND_B(s, m) <-> RECV_B(s-1, m)."""
     stage, kind, mb = action
-    if kind is Kind.F:
-        return [(stage - 1, "F", mb)] if stage > 0 else []
-    if kind is Kind.B or kind is Kind.I:
-        needs = [(stage, "F", mb)]
-        if stage < last_stage:
-            needs.append((stage + 1, "G", mb))
-        return needs
-    if kind is Kind.W:
-        return [(stage, "G", mb)]
-    if kind is Kind.RECV_F:
-        return [(stage - 1, "S_F", mb)]
-    if kind is Kind.RECV_B:
-        return [(stage + 1, "S_B", mb)]
-    return []
+    return {
+        Kind.SEND_F: Action(stage + 1, Kind.RECV_F, mb),
+        Kind.RECV_F: Action(stage - 1, Kind.SEND_F, mb),
+        Kind.SEND_B: Action(stage - 1, Kind.RECV_B, mb),
+        Kind.RECV_B: Action(stage + 1, Kind.SEND_B, mb),
+    }[kind]
 
 
-def run_streams(program: Program) -> tuple[list[int], dict[int, Key]]:
-    """Run the streams under the tagged model. Returns each rank's stop position and what blocked ranks wait for."""
-    last = program.num_stages - 1
-    streams = program.streams
-    done: set[Key] = set()
-    position = [0] * len(streams)
-    waiting: dict[Key, list[int]] = defaultdict(list)
-    blocked_on: dict[int, Key] = {}
-    ready = deque(range(len(streams)))
+Channels = dict[tuple[int, int], tuple[list[tuple[int, int]], list[tuple[int, int]]]]
+
+
+def channels(program: Program, flat: Flat) -> Channels:
+    """(src, dst) -> ((op index, key) of src's sends to dst, (op index, key) of dst's receives from src), in order."""
+    out: Channels = {}
+    placement, mbs = program.stage_to_rank, flat.mbs
+    for rank, ops in enumerate(flat.ops):
+        for index, key in ops:
+            code = key & 7
+            if code < SEND_F:
+                continue
+            stage = (key >> 3) // mbs
+            if code == SEND_F:
+                out.setdefault((rank, placement[stage + 1]), ([], []))[0].append((index, key))
+            elif code == SEND_B:
+                out.setdefault((rank, placement[stage - 1]), ([], []))[0].append((index, key))
+            elif code == RECV_F:
+                out.setdefault((placement[stage - 1], rank), ([], []))[1].append((index, key))
+            else:
+                out.setdefault((placement[stage + 1], rank), ([], []))[1].append((index, key))
+    return out
+
+
+def channel_matches(program: Program, flat: Flat) -> dict[tuple[int, int], tuple[int, int]]:
+    """nccl matching: (rank, op index) of each send/recv -> (rank, op index) of the op it meets on its channel.
+
+    The k-th send from a to b meets the k-th receive on b from a. Ops beyond the shorter list meet nothing.
+    """
+    matches: dict[tuple[int, int], tuple[int, int]] = {}
+    for (src, dst), (sends, recvs) in channels(program, flat).items():
+        for (i, _), (j, _) in zip(sends, recvs, strict=False):
+            matches[(src, i)] = (dst, j)
+            matches[(dst, j)] = (src, i)
+    return matches
+
+
+def _build_waits(program: Program, model: str, flat: Flat, units: Units) -> tuple[tuple[tuple[Wait, ...], ...], ...]:
+    """The waits of every unit that has any, one flat pass over the int keys (verify.flat)."""
+    placement, where, mbs = program.stage_to_rank, flat.where, flat.mbs
+    last, step = program.num_stages - 1, mbs * 8
+    comms, nccl = program.has_comms, model == "nccl"
+    unit_of = units.unit_of
+    all_waits: list[dict[int, list[Wait]]] = [{} for _ in flat.ops]
+    if nccl:  # every send/recv waits for the op it meets on its channel to be posted
+        for (src, dst), (sends, recvs) in channels(program, flat).items():
+            src_of, dst_of, src_waits, dst_waits = unit_of[src], unit_of[dst], all_waits[src], all_waits[dst]
+            for (i, _), (j, _) in zip(sends, recvs, strict=False):
+                src_waits.setdefault(src_of[i], []).append((dst, dst_of[j], j, i))
+                dst_waits.setdefault(dst_of[j], []).append((src, src_of[i], i, j))
+    result = []
+    for rank, ops in enumerate(flat.ops):
+        starts, of = units.starts[rank], unit_of[rank]
+        waits = all_waits[rank]
+        for index, key in ops:
+            code = key & 7
+            base = key - code
+            stage = (key >> 3) // mbs
+            need = need2 = -1  # keys this op needs computed (need2: the other backward kind)
+            peer = None  # tagged: the send a receive waits for
+            if code == F:
+                if stage > 0:
+                    need = base - step if (not comms or placement[stage - 1] == rank) else base + RECV_F
+            elif code == B or code == I:
+                need = base + F
+                if stage < last:
+                    if not comms or placement[stage + 1] == rank:
+                        need2 = base + step + B if base + step + B in where else base + step + I
+                    else:
+                        need2 = base + RECV_B
+            elif code == W:
+                need = base + I
+            else:
+                if code == SEND_F:
+                    need = base + F
+                elif code == SEND_B:
+                    need = base + B if base + B in where else base + I
+                if nccl:
+                    pass
+                elif code == RECV_F:
+                    peer = where.get(base - step + SEND_F)
+                elif code == RECV_B:
+                    peer = where.get(base + step + SEND_B)
+            unit = of[index]
+            for needed in (need, need2):
+                if needed < 0:
+                    continue
+                hit = where.get(needed)
+                if hit is None:
+                    continue
+                q, j = hit
+                if q == rank and j < starts[unit]:
+                    continue  # computed earlier on this rank: always holds when the unit is reached
+                waits.setdefault(unit, []).append((q, unit_of[q][j] + 1, j, index))
+            if peer is not None:
+                q, j = peer
+                waits.setdefault(unit, []).append((q, unit_of[q][j], j, index))
+        rank_waits: list[tuple[Wait, ...]] = [()] * (len(starts) - 1)
+        for unit, found in waits.items():
+            rank_waits[unit] = tuple(found)
+        result.append(tuple(rank_waits))
+    return tuple(result)
+
+
+def execute(program: Program, model: str = "nccl", flat: Flat | None = None, timed: bool = True) -> Execution:
+    """Run the streams under `model` to the unique point where no rank can move.
+
+    `timed` also records the lockstep step at which each unit finishes (for the grid); the untimed run skips
+    over units that wait for nothing, which is most of them.
+    """
+    if model not in MODELS:
+        raise ValueError(f"unknown p2p model {model!r}; expected one of {', '.join(MODELS)}")
+    flat = flat or flatten(program)
+    units = cut_units(flat)
+    waits = _build_waits(program, model, flat, units)
+    ranks = len(program.streams)
+    position = [0] * ranks
+    finish: list[list[int]] = [[] for _ in range(ranks)]
+    sleeping: list[list[tuple[int, int]]] = [[] for _ in range(ranks)]  # heap of (threshold, waiting rank)
+    blocked: dict[int, Wait] = {}
+    jumps = [_jumps(rank_waits) for rank_waits in waits] if not timed else None
+    ready = deque(range(ranks))
     while ready:
         rank = ready.popleft()
-        stream = streams[rank]
-        i = position[rank]
-        while i < len(stream):
-            missing = _first_missing(stream[i], done, last)
-            if missing is not None:
-                waiting[missing].append(rank)
-                blocked_on[rank] = missing
+        unit = position[rank]
+        rank_waits, fin, starts = waits[rank], finish[rank], units.starts[rank]
+        end = len(rank_waits)
+        if jumps is not None:  # untimed: only units with waits need looking at
+            jump = jumps[rank]
+            while True:
+                unit = jump[unit]
+                if unit == end:
+                    break
+                for wait in rank_waits[unit]:
+                    q, threshold = wait[0], wait[1]
+                    if (unit if q == rank else position[q]) < threshold:
+                        blocked[rank] = wait
+                        if q != rank:  # waiting on its own later op can never end: stay blocked
+                            heapq.heappush(sleeping[q], (threshold, rank))
+                        break
+                else:
+                    unit += 1
+                    continue
                 break
-            blocked_on.pop(rank, None)
-            for action in stream[i].parts:
-                key = (action.stage, _DONE_TAG.get(action.kind, ""), action.mb)
-                if key[1]:
-                    done.add(key)
-                    ready.extend(waiting.pop(key, ()))
-            i += 1
-        position[rank] = i
-    return position, blocked_on
+        else:
+            while unit < end:
+                arrive = (fin[-1] if fin else 0) + starts[unit + 1] - starts[unit]  # one step per instruction
+                for wait in rank_waits[unit]:
+                    q, threshold = wait[0], wait[1]
+                    if (unit if q == rank else position[q]) < threshold:
+                        blocked[rank] = wait
+                        if q != rank:
+                            heapq.heappush(sleeping[q], (threshold, rank))
+                        break
+                    if threshold:  # start no earlier than the step after what it waited for
+                        arrive = max(arrive, finish[q][threshold - 1] + 1)
+                else:
+                    fin.append(arrive)
+                    unit += 1
+                    continue
+                break
+        if unit == end:
+            blocked.pop(rank, None)
+        position[rank] = unit
+        heap = sleeping[rank]
+        while heap and heap[0][0] <= unit:
+            ready.append(heapq.heappop(heap)[1])
+    return Execution(model, units, tuple(position), blocked, tuple(tuple(f) for f in finish), waits)
 
 
-def _first_missing(instruction: Instruction, done: set[Key], last: int) -> Key | None:
-    for action in instruction.parts:
-        for key in _needs(action, last):
-            if key not in done:
-                return key
-    return None
+def _jumps(rank_waits: tuple[tuple[Wait, ...], ...]) -> list[int]:
+    """For each unit, the first unit at or after it that waits for anything (len(rank_waits) if none)."""
+    out = [0] * (len(rank_waits) + 1)
+    following = len(rank_waits)
+    out[following] = following
+    for unit in range(len(rank_waits) - 1, -1, -1):
+        if rank_waits[unit]:
+            following = unit
+        out[unit] = following
+    return out
 
 
-def check_deadlock(program: Program, p2p: str = "tagged") -> list[str]:
-    position, blocked_on = run_streams(program)
-    stuck = [r for r, stream in enumerate(program.streams) if position[r] < len(stream)]
-    if not stuck:
+def check_deadlock(program: Program, p2p: str = "nccl", flat: Flat | None = None) -> list[str]:
+    """Problems (empty when every rank runs to the end), with the chain of waits and a grid when stuck."""
+    run = execute(program, p2p, flat, timed=False)
+    if not run.stuck:
         return []
-    lines = [f"deadlock under the {p2p} model: {len(stuck)} rank(s) cannot finish"]
-    for rank in stuck:
-        stage, tag, mb = blocked_on[rank]
-        what = {
-            "F": "the forward",
-            "G": "the backward",
-            "W": "the weight gradient",
-            "S_F": "a SEND_F",
-            "S_B": "a SEND_B",
-        }
-        lines.append(
-            f"rank {rank} is stuck at op {position[rank]} {program.streams[rank][position[rank]]}, "
-            f"waiting for {what[tag]} of stage {stage}, micro-batch {mb}"
-        )
-    return lines
+    run = execute(program, p2p, flat, timed=True)  # the same run, with the steps the grid shows
+    from pipec.verify.explain import explain_deadlock
+
+    return explain_deadlock(program, run).splitlines()

@@ -1,61 +1,108 @@
 """peak_activations and check_memory: activation memory along each rank's program order.
 
 The model (one liveness function, shared by the verifier, the simulator and the runtime): F(s, m) allocates
-one unit (one stage's activations for one micro-batch); B(s, m) frees it; with a split backward, I(s, m)
-frees `input_fraction` of it and W(s, m) the rest. Send/recv instructions hold no activations.
+`size(s)` units, by default 1 (one stage's activations for one micro-batch); B(s, m) frees them; with a split
+backward, I(s, m) frees `input_fraction` of them (default 0.5) and W(s, m) the rest. Send/recv instructions hold
+no activations. `stage_sizes` gives each stage its own size (e.g. a bigger first stage with the embedding).
+A forward-only schedule keeps nothing: each activation is freed once it has been sent on.
 """
 
 from __future__ import annotations
 
-from pipec.ir import Kind, Program
+from collections.abc import Iterable, Sequence
+
+from pipec.errors import PipecInputError
+from pipec.ir import Instruction, Kind, Program
 
 DEFAULT_INPUT_FRACTION = 0.5
+_EPSILON = 1e-9  # float sums of fractions: 0.1 + 0.2 must not exceed a bound of 0.3
 
 
 def activation_deltas(input_fraction: float = DEFAULT_INPUT_FRACTION) -> dict[Kind, float]:
+    """Per-op change of live activations for a stage of size 1."""
     return {Kind.F: 1.0, Kind.B: -1.0, Kind.I: -input_fraction, Kind.W: input_fraction - 1.0}
 
 
-def memory_profile(stream, input_fraction: float = DEFAULT_INPUT_FRACTION) -> list[float]:
+def validate_memory_model(
+    program: Program, input_fraction: float, stage_sizes: Sequence[float] | None
+) -> tuple[float, ...] | None:
+    if not 0.0 <= input_fraction <= 1.0:
+        raise PipecInputError(f"the input fraction must be between 0 and 1, got {input_fraction:g}")
+    if stage_sizes is None:
+        return None
+    sizes = tuple(float(x) for x in stage_sizes)
+    if len(sizes) != program.num_stages:
+        raise PipecInputError(f"{len(sizes)} stage sizes given for {program.num_stages} stages")
+    if any(x < 0 for x in sizes):
+        raise PipecInputError("stage sizes must not be negative")
+    return sizes
+
+
+def memory_profile(
+    stream: Iterable[Instruction],
+    input_fraction: float = DEFAULT_INPUT_FRACTION,
+    stage_sizes: Sequence[float] | None = None,
+) -> list[float]:
     """Live activations after each instruction of one rank's stream."""
     deltas = activation_deltas(input_fraction)
     live, out = 0.0, []
     for instruction in stream:
         for action in instruction.parts:
-            live += deltas.get(action.kind, 0.0)
+            delta = deltas.get(action.kind)
+            if delta is not None:
+                live += delta if stage_sizes is None else delta * stage_sizes[action.stage]
         out.append(live)
     return out
 
 
-def peak_activations(program: Program, input_fraction: float = DEFAULT_INPUT_FRACTION) -> tuple[float, ...]:
+def peak_activations(
+    program: Program, input_fraction: float = DEFAULT_INPUT_FRACTION, stage_sizes: Sequence[float] | None = None
+) -> tuple[float, ...]:
     if program.forward_only:  # inference frees each activation as soon as it has been sent on
         return (0.0,) * program.ranks
-    return tuple(max(memory_profile(stream, input_fraction), default=0.0) for stream in program.streams)
+    return tuple(
+        max(memory_profile(stream, input_fraction, stage_sizes), default=0.0) for stream in program.streams
+    )
 
 
-def check_memory(program: Program, peaks: tuple[float, ...], limit: int | None = None) -> list[str]:
+def check_memory(
+    program: Program,
+    peaks: tuple[float, ...],
+    limit: float | None = None,
+    input_fraction: float = DEFAULT_INPUT_FRACTION,
+    stage_sizes: Sequence[float] | None = None,
+) -> list[str]:
+    """One problem per rank whose peak exceeds `limit` (or the schedule's declared per-rank bound)."""
     problems = []
+    source = "--memory-limit" if limit is not None else "the schedule's declared memory bound"
     for rank, stream in enumerate(program.streams):
         bound = limit if limit is not None else (program.memory_bound[rank] if program.memory_bound else None)
-        if bound is None or peaks[rank] <= bound:
+        if bound is None or peaks[rank] <= bound + _EPSILON:
             continue
-        profile = memory_profile(stream)
-        step = next(i for i, live in enumerate(profile) if live > bound)
-        alive = _alive_at(stream, step)
-        source = "--memory-limit" if limit is not None else "the schedule's memory bound"
+        profile = memory_profile(stream, input_fraction, stage_sizes)
+        first = next(i for i, live in enumerate(profile) if live > bound + _EPSILON)
+        step = profile.index(peaks[rank])
         problems.append(
-            f"rank {rank} holds {profile[step]:g} units of activations at op {step} ({stream[step]}), over "
-            f"{source} of {bound}; alive: {', '.join(alive)}"
+            f"rank {rank} holds {profile[step]:g} units of activations at op {step} {stream[step]}, over {source} "
+            f"of {float(bound):g} (first exceeded at op {first} {stream[first]}); alive at the peak: "
+            f"{alive_at(stream, step)}"
         )
     return problems
 
 
-def _alive_at(stream, step: int) -> list[str]:
-    alive: dict[tuple[int, int], str] = {}
+def alive_at(stream: Sequence[Instruction], step: int) -> str:
+    """The (stage, micro-batch) activations alive after op `step`, grouped by stage; `~` marks half-freed ones."""
+    alive: dict[tuple[int, int], bool] = {}  # -> True while whole, False after its I
     for instruction in stream[: step + 1]:
         for stage, kind, mb in instruction.parts:
             if kind is Kind.F:
-                alive[(stage, mb)] = f"stage {stage} mb {mb}"
-            elif kind in (Kind.B, Kind.W):
+                alive[(stage, mb)] = True
+            elif kind is Kind.I and (stage, mb) in alive:
+                alive[(stage, mb)] = False
+            elif kind is Kind.B or kind is Kind.W:
                 alive.pop((stage, mb), None)
-    return list(alive.values())
+    by_stage: dict[int, list[str]] = {}
+    for (stage, mb), whole in sorted(alive.items()):
+        by_stage.setdefault(stage, []).append(f"{mb}" if whole else f"{mb}~")
+    text = "; ".join(f"stage {stage} mb {', '.join(mbs)}" for stage, mbs in by_stage.items())
+    return text + (" (~: input gradient done, weight gradient pending)" if "~" in text else "")

@@ -1,0 +1,113 @@
+"""Readable counterexamples for a deadlock: the chain of waits and a step-by-rank grid around the stuck point.
+
+Every instruction is written in its one text form, ``str(instruction)`` (torch's `1RECV_F3`), as everywhere else.
+"""
+
+from __future__ import annotations
+
+from pipec.ir import Program
+from pipec.verify.deadlock import Execution, Wait
+
+GRID_STEPS = 12  # rows of the grid, ending at the stuck point
+GRID_MAX_RANKS = 8  # above this, the grid shows only the ranks named in the explanation
+
+
+def explain_deadlock(program: Program, run: Execution) -> str:
+    stuck = run.stuck
+    lines = [
+        f"deadlock under the {run.model} model: {_plural(len(stuck), 'rank')} "
+        f"({', '.join(map(str, stuck))}) cannot finish"
+    ]
+    chain, closes = _chain(run, stuck[0])
+    for n, rank in enumerate(chain):
+        wait = run.blocked[rank]
+        head = f"rank {rank} at op" if n == 0 else f"rank {rank} is stuck at op"
+        link = " waits for" if n == 0 else ", which waits for"
+        lines.append(
+            f"  {head} {_op(program, rank, wait[3])}{_batch(program, run, rank)}{link} "
+            f"{_target(program, run, rank, wait)};"
+        )
+    if run.blocked[chain[-1]][0] == chain[-1]:
+        lines.append(f"  rank {chain[-1]} can never reach that op: it waits for itself")
+    else:
+        lines.append(f"  and rank {closes} is on this chain already: the waits form a cycle, no rank on it can move")
+    others = [r for r in stuck if r not in chain]
+    for rank in others:
+        wait = run.blocked[rank]
+        lines.append(f"  also stuck: rank {rank} at op {_op(program, rank, wait[3])}, waiting for "
+                     f"{_target(program, run, rank, wait)}")
+    shown = list(range(program.ranks)) if program.ranks <= GRID_MAX_RANKS else sorted(set(chain) | set(others[:4]))
+    lines.append("")
+    lines.extend(grid(program, run, shown))
+    return "\n".join(lines)
+
+
+def _chain(run: Execution, start: int) -> tuple[list[int], int]:
+    """Follow each stuck rank's blocking wait until a rank repeats. Returns the ranks in order and the repeat."""
+    chain: list[int] = []
+    rank = start
+    while rank not in chain:
+        chain.append(rank)
+        rank = run.blocked[rank][0]
+    return chain, rank
+
+
+def _op(program: Program, rank: int, index: int) -> str:
+    return f"{index} {program.streams[rank][index]}"
+
+
+def _batch(program: Program, run: Execution, rank: int) -> str:
+    ops = run.units.ops(rank, run.stop[rank])
+    if len(ops) < 2:
+        return ""
+    stream = program.streams[rank]
+    return f" (in the batch of ops {ops[0]}-{ops[-1]}: {' '.join(str(stream[i]) for i in ops)})"
+
+
+def _target(program: Program, run: Execution, rank: int, wait: Wait) -> str:
+    q, threshold, j, _ = wait
+    posted = threshold == run.units.unit_of[q][j]
+    what = f"op {j} {program.streams[q][j]}"
+    if q == rank:
+        return f"its own {what}, which comes later in its stream"
+    return f"rank {q} {what} {'to be posted' if posted else 'to complete'}"
+
+
+def grid(program: Program, run: Execution, ranks: list[int]) -> list[str]:
+    """The last GRID_STEPS steps up to the stuck point, one column per rank; `*` marks where a rank is stuck.
+
+    Steps come from the run's lockstep timing: an instruction takes one step, a batch's ops take consecutive
+    steps, and a unit starts no earlier than the step after the ops it waits for.
+    """
+    cells: dict[tuple[int, int], str] = {}
+    top = 0
+    units = run.units
+    for rank in ranks:
+        stream, finish, stop = program.streams[rank], run.finish[rank], run.stop[rank]
+        reach = finish[stop - 1] if stop else 0
+        if stop < len(units.starts[rank]) - 1:
+            for k, index in enumerate(units.ops(rank, stop)):
+                cells[(reach + k, rank)] = f"{stream[index]}*"
+                top = max(top, reach + k + 1)
+        else:
+            top = max(top, reach)
+    low = max(0, top - GRID_STEPS)
+    for rank in ranks:
+        stream, finish = program.streams[rank], run.finish[rank]
+        for unit in range(run.stop[rank] - 1, -1, -1):
+            begin = finish[unit - 1] if unit else 0
+            if finish[unit] <= low:
+                break
+            for k, index in enumerate(units.ops(rank, unit)):
+                if low <= begin + k < top:
+                    cells[(begin + k, rank)] = str(stream[index])
+    width = max([len(v) for v in cells.values()] + [len(f"rank {r}") for r in ranks])
+    out = ["step  " + "  ".join(f"{'rank ' + str(r):<{width}}" for r in ranks)]
+    for step in range(low, top):
+        out.append(f"{step:>4}  " + "  ".join(f"{cells.get((step, r), '.'):<{width}}" for r in ranks).rstrip())
+    out.append("(* = the rank is stuck here; . = idle or waiting)")
+    return out
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")

@@ -1,0 +1,214 @@
+"""Verification passes on the library and on hand-made mistakes: verdicts, explanations, memory bounds, options."""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+
+import executor
+import pytest
+from strategies import naive_lowering
+
+import pipec
+from pipec.cli import main
+from pipec.ir import Action, Kind
+from pipec.library import bundled_names
+from pipec.verify import verify
+from pipec.verify.memory import peak_activations
+
+CORPUS = Path(__file__).parent / "bad_schedules"
+
+RANKS = (1, 2, 3, 4, 5)
+MICROBATCHES = (1, 2, 3, 4, 5, 6, 8, 12)
+CHUNKS = (1, 2, 3)
+
+
+@functools.cache
+def _load(name: str, p: int, m: int, v: int) -> pipec.Program | None:
+    try:
+        return pipec.load(name, p, m, v)
+    except pipec.PipecInputError:
+        return None
+
+
+def _library(ranks=RANKS, microbatches=MICROBATCHES, chunks=CHUNKS):
+    """Every bundled schedule at every (P, M, V) its own `require` lines accept."""
+    for name in bundled_names():
+        for p in ranks:
+            for m in microbatches:
+                for v in chunks:
+                    program = _load(name, p, m, v)
+                    if program is not None:
+                        yield name, p, m, v, program
+
+
+def test_library_is_accepted_under_both_models() -> None:
+    seen: dict[str, int] = {}
+    for name, p, m, v, program in _library():
+        for model in ("nccl", "tagged"):
+            report = verify(program, p2p=model)
+            assert report.ok, f"{name} P={p} M={m} V={v} under {model}:\n{report.render()}"
+        seen[name] = seen.get(name, 0) + 1
+    assert set(seen) == set(bundled_names())
+    assert min(seen.values()) >= 10, seen
+
+
+def test_library_runs_to_the_end_in_the_independent_executor() -> None:
+    for name, p, m, v, _ in _library(ranks=(2, 3, 4), microbatches=(1, 3, 4, 8), chunks=(1, 2)):
+        program = pipec.compile(name, p, m, v)
+        for model in ("nccl", "tagged"):
+            outcome = executor.run(program, model)
+            assert outcome.completed and not outcome.mismatches, (name, p, m, v, model, outcome)
+
+
+# The known peak-memory formulas, written independently of the .pipe files (units: one stage's activations of one
+# micro-batch). Interleaved 1F1B: Megatron's warm-up, (P - r - 1) * 2 + (V - 1) * P forwards, plus the one in
+# flight, at most every forward (V * M); stated for M a multiple of P as Megatron requires.
+FORMULAS = {
+    "1f1b": lambda p, m, v, r: min(p - r, m),
+    "zb_h1": lambda p, m, v, r: min(p, m),  # the ZB paper: the same peak as 1F1B (rank 0's)
+    "zbv": lambda p, m, v, r: 2 * p,  # 1F1B's peak in chunk units
+    "gpipe": lambda p, m, v, r: m,
+    "looped_bfs": lambda p, m, v, r: v * m,
+    "interleaved_1f1b": lambda p, m, v, r: min((p - r - 1) * 2 + (v - 1) * p + 1, v * m) if m % p == 0 else None,
+    "interleaved_zb": lambda p, m, v, r: min(v * p, v * m) if m % p == 0 else None,
+    "dualpipev": lambda p, m, v, r: 2 * p + (1 if r == p - 1 else 0),
+}
+
+
+def test_declared_memory_bounds_are_the_known_formulas_and_hold() -> None:
+    checked = 0
+    for name, p, m, v, program in _library():
+        if program.forward_only:
+            continue
+        assert program.memory_bound is not None, f"{name} declares no memory bound"
+        for fraction in (0.0, 0.5, 1.0):
+            peaks = peak_activations(program, fraction)
+            assert all(peak <= bound for peak, bound in zip(peaks, program.memory_bound, strict=True)), (
+                name, p, m, v, fraction, peaks, program.memory_bound)
+        formula = FORMULAS.get(name)
+        expected = [formula(p, m, v, r) for r in range(p)] if formula else [None]
+        if None in expected:
+            continue
+        assert list(program.memory_bound) == expected, (name, p, m, v)
+        # tight: with I freeing nothing, the worst rank reaches its bound
+        assert max(peak_activations(program, 0.0)) == max(expected) or (name == "zbv" and m < 2 * p), (name, p, m, v)
+        checked += 1
+    assert checked >= 100
+
+
+def _zbv_naive():
+    return naive_lowering(pipec.load("zbv", 2, 2, 2))
+
+
+_LINK = re.compile(r"rank (\d+) (?:at|is stuck at) op (\d+) ([^\s,;]+)")
+_TARGET = re.compile(r"waits for (?:rank (\d+) )?(?:its own )?op (\d+) ([^\s,;]+)")
+
+
+def test_deadlock_explanation_names_real_ops_and_marks_the_grid() -> None:
+    program = _zbv_naive()
+    report = verify(program, p2p="nccl")
+    deadlock = report.verdict("deadlock")
+    assert not deadlock.ok
+    text = deadlock.explanation
+    links = _LINK.findall(text)
+    assert len(links) >= 2
+    for rank, index, shown in links:
+        assert str(program.streams[int(rank)][int(index)]) == shown
+    for line in text.splitlines():
+        if "waits for " in line:
+            target = _TARGET.search(line)
+            assert target, line
+            rank = int(target[1]) if target[1] else int(_LINK.search(line)[1])
+            assert str(program.streams[rank][int(target[2])]) == target[3]
+    assert "cycle" in text
+    grid = text[text.index("step ") :].splitlines()
+    assert grid[0].split()[1:] == ["rank", "0", "rank", "1"]
+    starred = [cell for row in grid[1:-1] for cell in row.split()[1:] if cell.endswith("*")]
+    assert {cell[:-1] for cell in starred} >= {shown for _, _, shown in links}
+    # the same streams are fine when sends are buffered
+    assert verify(program, p2p="tagged").ok
+    outcome = executor.run(program, "nccl")
+    assert not outcome.completed
+    assert executor.run(program, "tagged").completed
+
+
+def test_order_mismatch_names_the_channel_and_both_ops() -> None:
+    # 1F1B (P=2, M=2) whose rank 0 posts micro-batch 1's activation before micro-batch 0's, in one batch
+    rows = [
+        "0F0,0F1,0SEND_F1,0SEND_F0,0RECV_B0,0B0,0RECV_B1,0B1",
+        "1RECV_F0,1F0,1RECV_F1,1B0,1SEND_B0,1F1,1B1,1SEND_B1",
+    ]
+    program = pipec.compile(str(CORPUS / "sends_swapped.csv"))
+    assert [",".join(map(str, s)) for s in program.streams] == rows
+    order = verify(program, p2p="nccl").verdict("p2p order")
+    assert not order.ok
+    send = program.streams[0].index(Action(0, Kind.SEND_F, 1))
+    recv = program.streams[1].index(Action(1, Kind.RECV_F, 0))
+    assert (
+        f"channel rank 0 -> rank 1: message 1 is sent as rank 0 op {send} 0SEND_F1 but received as rank 1 op {recv} "
+        "1RECV_F0, which expects 0SEND_F0" in order.explanation
+    )
+    assert verify(program, p2p="tagged").ok  # tagged matching does not care about order
+    assert executor.run(program, "nccl").mismatches
+
+
+def test_memory_violation_names_rank_step_and_alive_microbatches() -> None:
+    program = pipec.compile("1f1b", 4, 8)
+    report = verify(program, memory_limit=3)
+    memory = report.verdict("memory")
+    assert not memory.ok
+    stream = program.streams[0]
+    peak_at = stream.index(Action(0, Kind.F, 3))  # rank 0 holds F0..F3 before its first backward
+    assert f"rank 0 holds 4 units of activations at op {peak_at} 0F3, over --memory-limit of 3" in memory.explanation
+    assert f"first exceeded at op {peak_at} 0F3" in memory.explanation
+    assert "alive at the peak: stage 0 mb 0, 1, 2, 3" in memory.explanation
+    assert "rank 1" not in memory.explanation  # rank 1 peaks at 3
+    assert verify(program, memory_limit=4).ok
+
+
+def test_memory_model_options_change_the_peaks() -> None:
+    program = pipec.load("zb_h1", 4, 8)
+    # I frees everything: ZB-H1 keeps 1F1B's per-rank profile, min(P - r, M)
+    assert peak_activations(program, 1.0) == (4.0, 3.0, 2.0, 1.0)
+    # I frees nothing: every rank holds P micro-batches at its peak (W is deferred r times on rank r)
+    assert peak_activations(program, 0.0) == (4.0, 4.0, 4.0, 4.0)
+    report = verify(program, input_fraction=1.0, stage_sizes=(2, 1, 1, 1))
+    assert report.peak_memory == (8.0, 3.0, 2.0, 1.0)
+    assert not report.verdict("memory").ok  # rank 0's stage is twice the declared unit
+    with pytest.raises(pipec.PipecInputError, match="3 stage sizes given for 4 stages"):
+        verify(program, stage_sizes=(1, 1, 1))
+    with pytest.raises(pipec.PipecInputError, match="between 0 and 1"):
+        verify(program, input_fraction=1.5)
+    with pytest.raises(pipec.PipecInputError, match="unknown p2p model"):
+        verify(program, p2p="gloo")
+
+
+def test_program_check_defaults_to_nccl_and_raises_schedule_error() -> None:
+    program = _zbv_naive()
+    with pytest.raises(pipec.ScheduleError, match="deadlock under the nccl model"):
+        program.check()
+    assert program.check(p2p="tagged").ok
+    assert pipec.compile("interleaved_1f1b", 4, 8, 2).check().ok
+
+
+def test_compute_only_program_is_checked_as_lowered_under_nccl() -> None:
+    program = pipec.load("interleaved_1f1b", 2, 4, 2)
+    report = verify(program)
+    assert report.ok and report.program.has_comms
+    assert report.program.streams == pipec.compile("interleaved_1f1b", 2, 4, 2).streams
+    assert not verify(program, p2p="tagged").program.has_comms
+
+
+def test_cli_check_exit_codes_and_report(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "1f1b", "-P", "4", "-M", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "deadlock   ok  (nccl model)" in out and "p2p order  ok" in out
+    assert re.search(r"^\s+0\s+\d+\s+4\s+4$", out, re.M), out  # rank 0: ops, peak 4, bound 4
+    assert main(["check", "1f1b", "-P", "4", "-M", "8", "--memory-limit", "2"]) == 1
+    assert main(["check", "1f1b", "-P", "4", "-M", "8", "--input-fraction", "2"]) == 2
+    assert main(["check", "zb_h1", "-P", "4", "-M", "8", "--input-fraction", "1", "--stage-sizes", "1,1,1,1"]) == 0
+    assert main(["check", "no_such_schedule", "-P", "2"]) == 2
+    assert main(["compile", "1f1b", "-P", "4", "-M", "8", "--memory-limit", "2"]) == 1
+    assert "memory     FAILED" in capsys.readouterr().err

@@ -10,7 +10,8 @@ For each schedule torch also has, at each (P, M, V), it prints the median wall t
 - pipec: `pipec.sim.simulate(program)` on the compiled streams (send/recv included; compile not timed) under the
   nccl rule with the default costs, reporting durations, per-rank busy/idle and peak memory; also under the
   `ideal` model (compute order only) and end to end (compile + simulate, what `pipec simulate` does).
-`ratio` is torch / pipec (nccl). Both run in this process, one after the other, so machine load hits both alike.
+`ratio` is torch / pipec (nccl). Times are CPU seconds of this process (`time.process_time`, single-threaded
+code on both sides), medians over `--repeat` runs: on a shared machine wall time mostly measures the neighbours.
 Never used by the tests; timing belongs here, not in assertions.
 """
 
@@ -35,9 +36,9 @@ def _median(fn, repeat: int, budget: float) -> tuple[float, int, object]:
     times, value, spent = [], None, 0.0
     while len(times) < repeat and (not times or spent < budget):
         gc.collect()
-        start = time.perf_counter()
+        start = time.process_time()  # CPU seconds of this process: the machine is shared, wall time is noisy
         value = fn()
-        elapsed = time.perf_counter() - start
+        elapsed = time.process_time() - start
         times.append(elapsed)
         spent += elapsed
     return statistics.median(times), len(times), value

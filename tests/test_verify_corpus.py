@@ -46,3 +46,13 @@ def test_bad_schedule_is_rejected_with_its_explanation(case: Path, capsys: pytes
     assert "Traceback" not in output
     for line in expected:
         assert line in output, f"{case.name}: missing {line!r} in\n{output}"
+
+
+def test_the_counterexample_in_the_docs_is_real(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "verification.md").read_text()
+    command = "$ pipec check tests/bad_schedules/zbv_naive_recvs.csv\n"
+    shown = doc[doc.index(command) + len(command) : doc.index("# exit 1", doc.index(command))]
+    code = main(["check", str(CORPUS / "zbv_naive_recvs.csv")])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert [line.rstrip() for line in out.splitlines()] == [line.rstrip() for line in shown.splitlines()]

@@ -62,20 +62,8 @@ class Execution:
 
 
 def cut_units(flat: Flat) -> Units:
-    starts, unit_of = [], []
-    for rank_comm in flat.comm:
-        s: list[int] = []
-        of: list[int] = []
-        in_batch = False
-        for index, comm in enumerate(rank_comm):
-            if not (comm and in_batch):
-                s.append(index)
-            in_batch = comm
-            of.append(len(s) - 1)
-        s.append(len(rank_comm))
-        starts.append(tuple(s))
-        unit_of.append(tuple(of))
-    return Units(tuple(starts), tuple(unit_of))
+    """The units flatten found (kept as a function: the explanation and the tests use Units)."""
+    return Units(flat.starts, tuple(tuple(of) for of in flat.unit_of))
 
 
 def peer_of(action: Action, stage_to_rank: tuple[int, ...]) -> int:
@@ -100,7 +88,9 @@ Channels = dict[tuple[int, int], tuple[list[tuple[int, int]], list[tuple[int, in
 
 def channels(program: Program, flat: Flat) -> Channels:
     """(src, dst) -> ((op index, key) of src's sends to dst, (op index, key) of dst's receives from src), in order."""
-    out: Channels = {}
+    if "channels" in flat.cache:
+        return flat.cache["channels"]
+    out: Channels = flat.cache.setdefault("channels", {})
     placement, mbs = program.stage_to_rank, flat.mbs
     for rank, ops in enumerate(flat.ops):
         for index, key in ops:
@@ -133,7 +123,14 @@ def channel_matches(program: Program, flat: Flat) -> dict[tuple[int, int], tuple
 
 
 def _build_waits(program: Program, model: str, flat: Flat, units: Units) -> tuple[tuple[tuple[Wait, ...], ...], ...]:
-    """The waits of every unit that has any, one flat pass over the int keys (verify.flat)."""
+    """The waits of every unit that has any.
+
+    With send/recv instructions every wait across ranks is a message (its channel partner under nccl, the send
+    of the same name for a tagged receive) and the only waits on a rank's own ops are the few `flat.local` found
+    out of order; a compute-only program waits on the computes it reads, wherever they run (one pass over keys).
+    """
+    if program.has_comms:
+        return _message_waits(program, model, flat, units)
     placement, where, mbs = program.stage_to_rank, flat.where, flat.mbs
     last, step = program.num_stages - 1, mbs * 8
     comms, nccl = program.has_comms, model == "nccl"
@@ -193,6 +190,39 @@ def _build_waits(program: Program, model: str, flat: Flat, units: Units) -> tupl
                 q, j = peer
                 waits.setdefault(unit, []).append((q, unit_of[q][j], j, index))
         rank_waits: list[tuple[Wait, ...]] = [()] * (len(starts) - 1)
+        for unit, found in waits.items():
+            rank_waits[unit] = tuple(found)
+        result.append(tuple(rank_waits))
+    return tuple(result)
+
+
+def _message_waits(program: Program, model: str, flat: Flat, units: Units) -> tuple[tuple[tuple[Wait, ...], ...], ...]:
+    unit_of, where = units.unit_of, flat.where
+    all_waits: list[dict[int, list[Wait]]] = [{} for _ in flat.ops]
+    for rank, index, need in flat.local:  # never satisfied: the op it needs is later on this rank, or elsewhere
+        hit = next((where[k] for k in need if k in where), None)
+        if hit is not None:
+            q, j = hit
+            all_waits[rank].setdefault(unit_of[rank][index], []).append((q, unit_of[q][j] + 1, j, index))
+    if model == "nccl":  # every send/recv waits for the op it meets on its channel to be posted
+        for (src, dst), (sends, recvs) in channels(program, flat).items():
+            src_of, dst_of, src_waits, dst_waits = unit_of[src], unit_of[dst], all_waits[src], all_waits[dst]
+            for (i, _), (j, _) in zip(sends, recvs, strict=False):
+                src_waits.setdefault(src_of[i], []).append((dst, dst_of[j], j, i))
+                dst_waits.setdefault(dst_of[j], []).append((src, src_of[i], i, j))
+    else:  # tagged: a receive waits for the send of its message to be posted
+        step = flat.mbs * 8
+        for (_, dst), (_, recvs) in channels(program, flat).items():
+            dst_of, dst_waits = unit_of[dst], all_waits[dst]
+            for j, key in recvs:
+                sender = key - step - 1 if key & 7 == RECV_F else key + step - 1
+                hit = where.get(sender)
+                if hit is not None:
+                    q, i = hit
+                    dst_waits.setdefault(dst_of[j], []).append((q, unit_of[q][i], i, j))
+    result = []
+    for rank, waits in enumerate(all_waits):
+        rank_waits: list[tuple[Wait, ...]] = [()] * (len(units.starts[rank]) - 1)
         for unit, found in waits.items():
             rank_waits[unit] = tuple(found)
         result.append(tuple(rank_waits))

@@ -8,7 +8,7 @@ the streams builds everything; the checks then stay linear in the number of inst
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipec.ir import Action, Kind, Program
 
@@ -41,7 +41,13 @@ def code_of(kind: Kind) -> int:
 
 @dataclass(frozen=True)
 class Flat:
-    """Per rank, every action as (op index, key); where each key first occurs; how often each occurs."""
+    """Per rank, every action as (op index, key); where each key first occurs; how often each occurs; the units.
+
+    A unit is a compute instruction or a batch (a maximal run of send/recv instructions). `local` lists, for a
+    program with send/recv, every op whose input should come from its own rank (the compute before it, or the
+    receive that brought it) but is not there before the op's unit starts: (rank, op index, needed key). Those
+    are the only waits on a rank's own ops; everything else a program with send/recv waits for is a message.
+    """
 
     mbs: int  # the key multiplier: above every micro-batch named, so keys never collide
     stages: int  # above every stage named
@@ -51,6 +57,11 @@ class Flat:
     duplicates: dict[int, int]  # key -> count, only for keys seen more than once
     stages_on: tuple[set[int], ...]  # stages named on each rank
     total: int
+    starts: tuple[tuple[int, ...], ...]  # per rank, the op index where each unit starts, plus len(stream)
+    unit_of: tuple[list[int], ...]  # per rank, op index -> unit
+    local: list[tuple[int, int, tuple[int, ...]]]  # (rank, op index, keys any of which it needs), see above
+    comm_keys: list[int]
+    cache: dict = field(default_factory=dict, compare=False)  # derived tables shared by the passes (channels)
 
     def key(self, stage: int, code: int, mb: int) -> int:
         return ((stage * self.mbs) + mb) * 8 + code
@@ -60,31 +71,45 @@ class Flat:
         return Action(stage, KINDS[key & 7], mb)
 
 
-def flatten(program: Program) -> Flat:
+def flatten(program: Program, mbs: int | None = None) -> Flat:
+    """One pass over the streams. Keys use `mbs` = M unless some op names a micro-batch >= M (then a second pass)."""
     streams = program.streams
-    big_mb = max(
-        [program.microbatches - 1]
-        + [a.mb for stream in streams for ins in stream for a in (ins.parts if type(ins) is not Action else (ins,))]
-    )
-    mbs = big_mb + 1
+    mbs = mbs or max(program.microbatches, 1)
+    placement, last = program.stage_to_rank, program.num_stages - 1
+    check_local = program.has_comms
+    step = mbs * 8
     ops: list[list[tuple[int, int]]] = []
     comm: list[list[bool]] = []
     where: dict[int, tuple[int, int]] = {}
     duplicates: dict[int, int] = {}
     stages_on: list[set[int]] = []
-    top_stage = program.num_stages - 1
+    all_starts: list[tuple[int, ...]] = []
+    all_unit_of: list[list[int]] = []
+    local: list[tuple[int, int, tuple[int, ...]]] = []
+    comm_keys: list[int] = []
+    top_stage, top_mb = program.num_stages - 1, 0
     total = 0
     code_by_value = _CODE_BY_VALUE
     for rank, stream in enumerate(streams):
         rank_ops: list[tuple[int, int]] = []
         rank_comm: list[bool] = []
         seen_stages: set[int] = set()
+        starts: list[int] = []
+        unit_of: list[int] = []
+        in_batch = False
         for index, instruction in enumerate(stream):
             parts = (instruction,) if type(instruction) is Action else instruction.parts
-            is_comm = False
+            is_comm = code_by_value[parts[0].kind._value_] >= SEND_F
+            if not (is_comm and in_batch):
+                starts.append(index)
+            in_batch = is_comm
+            unit_start = starts[-1]
+            unit_of.append(len(starts) - 1)
+            rank_comm.append(is_comm)
             for stage, kind, mb in parts:
                 code = code_by_value[kind._value_]  # a str key: hashed in C
-                is_comm = code >= SEND_F
+                if mb > top_mb:
+                    top_mb = mb
                 key = ((stage * mbs) + mb) * 8 + code
                 rank_ops.append((index, key))
                 seen_stages.add(stage)
@@ -92,11 +117,47 @@ def flatten(program: Program) -> Flat:
                     duplicates[key] = duplicates.get(key, 1) + 1
                 else:
                     where[key] = (rank, index)
-            rank_comm.append(is_comm)
+                if code >= SEND_F:
+                    comm_keys.append(key)
+                if not check_local or code == RECV_F or code == RECV_B or not 0 <= stage <= last:
+                    continue
+                # the keys (any one of them) this op reads from its own rank
+                base = key - code
+                if code == SEND_F:
+                    need: tuple[int, ...] = (base + F,)
+                elif code == SEND_B:
+                    need = (base + B, base + I)
+                elif code == F:
+                    if stage == 0:
+                        continue
+                    need = (base - step + F,) if placement[stage - 1] == rank else (base + RECV_F,)
+                elif code == W:
+                    need = (base + I,)
+                else:  # B or I
+                    hit = where.get(base + F)
+                    if hit is None or hit[0] != rank or hit[1] >= unit_start:
+                        local.append((rank, index, (base + F,)))
+                    if stage == last:
+                        continue
+                    need = (base + step + B, base + step + I) if placement[stage + 1] == rank else (base + RECV_B,)
+                for wanted in need:
+                    hit = where.get(wanted)
+                    if hit is not None and hit[0] == rank and hit[1] < unit_start:
+                        break
+                else:
+                    local.append((rank, index, need))
+        starts.append(len(stream))
         total += len(rank_ops)
         ops.append(rank_ops)
         comm.append(rank_comm)
         stages_on.append(seen_stages)
+        all_starts.append(tuple(starts))
+        all_unit_of.append(unit_of)
         if seen_stages:
             top_stage = max(top_stage, max(seen_stages))
-    return Flat(mbs, top_stage + 1, tuple(ops), tuple(comm), where, duplicates, tuple(stages_on), total)
+    if top_mb >= mbs:  # keys would collide: start again with room for every micro-batch named
+        return flatten(program, top_mb + 1)
+    return Flat(
+        mbs, top_stage + 1, tuple(ops), tuple(comm), where, duplicates, tuple(stages_on), total,
+        tuple(all_starts), tuple(all_unit_of), local, comm_keys,
+    )

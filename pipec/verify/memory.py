@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from pipec.errors import PipecInputError
-from pipec.ir import Instruction, Kind, Program
+from pipec.ir import Action, Instruction, Kind, Program
 
 DEFAULT_INPUT_FRACTION = 0.5
 _EPSILON = 1e-9  # float sums of fractions: 0.1 + 0.2 must not exceed a bound of 0.3
@@ -44,11 +44,12 @@ def memory_profile(
     stage_sizes: Sequence[float] | None = None,
 ) -> list[float]:
     """Live activations after each instruction of one rank's stream."""
-    deltas = activation_deltas(input_fraction)
+    # keyed by the kind's value string: a Kind key would hash through Enum.__hash__ (Python) on every op
+    deltas = {kind.value: delta for kind, delta in activation_deltas(input_fraction).items()}
     live, out = 0.0, []
     for instruction in stream:
-        for action in instruction.parts:
-            delta = deltas.get(action.kind)
+        for action in (instruction,) if type(instruction) is Action else instruction.parts:
+            delta = deltas.get(action.kind._value_)
             if delta is not None:
                 live += delta if stage_sizes is None else delta * stage_sizes[action.stage]
         out.append(live)

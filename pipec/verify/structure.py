@@ -87,10 +87,8 @@ def _comms(program: Program, flat: Flat) -> list[str]:
     # SEND_F(s, m) <-> RECV_F(s+1, m): key + step + 1; SEND_B(s, m) <-> RECV_B(s-1, m): key - step + 1
     partner_offset = {SEND_F: step + 1, RECV_F: -step - 1, SEND_B: -step + 1, RECV_B: step - 1}
     stage_offset = {SEND_F: 1, RECV_F: -1, SEND_B: -1, RECV_B: 1}
-    for key in where:
+    for key in dict.fromkeys(flat.comm_keys):
         code = key & 7
-        if code < SEND_F:
-            continue
         stage = (key >> 3) // flat.mbs
         peer_stage = stage + stage_offset[code]
         partner = key + partner_offset[code]
@@ -101,6 +99,10 @@ def _comms(program: Program, flat: Flat) -> list[str]:
                 f"{name(key)}: stages {stage} and {peer_stage} both live on rank {placement[stage]}, "
                 "so nothing is sent between them"
             )
+    boundaries = sum(1 for stage in range(last) if placement[stage] != placement[stage + 1])
+    messages = boundaries * program.microbatches * (1 if program.forward_only else 2)
+    if not out and not flat.duplicates and len(flat.comm_keys) == 2 * messages:
+        return out  # every send/recv is paired and there are as many as edges between ranks: none is missing
     key = flat.key
     for stage in range(last):
         if placement[stage] == placement[stage + 1]:

@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report", metavar="PATH", help="write step times, losses and per-rank statistics (JSON)")
     parser.add_argument("--trace", metavar="PATH", help="write the measured timeline as a Chrome trace")
     parser.add_argument(
-        "--timeout", type=float, default=30.0, metavar="SECONDS", help="a blocked rank gives up after this (30)"
+        "--timeout", type=float, default=30.0, metavar="SECONDS", help="a p2p wait gives up after this (30)"
     )
 
 
@@ -59,6 +59,7 @@ def main(args: argparse.Namespace) -> int:
         save=args.save,
         report=args.report,
         trace=args.trace,
+        timeout_s=args.timeout,
     )
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         launch.join_torchrun(run_worker, (program, options), timeout_s=args.timeout)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
@@ -57,6 +58,7 @@ class Context:
     training: bool = True
     input_fraction: float = DEFAULT_INPUT_FRACTION
     tracing: bool = False
+    p2p_timeout: timedelta = timedelta(seconds=30)  # a p2p batch not done by then raises (a peer hung or died)
     # Per step.
     inputs: list = field(default_factory=list)
     targets: list = field(default_factory=list)
@@ -206,7 +208,7 @@ def communicate(ctx: Context, actions: tuple[Action, ...]) -> None:
             arrivals.append((box, key, op.tensor))
     start = perf()
     for work in dist.batch_isend_irecv(ops):
-        work.wait()
+        work.wait(ctx.p2p_timeout)
     if ctx.tracing:
         ctx.events.append((actions, "comm", start, perf() - start))
     ctx.comm_s += perf() - start

@@ -1,10 +1,12 @@
 """Starting the workers: P local processes with a watchdog (`spawn`), or one worker of a torchrun launch.
 
 Faults never hang. Three layers bound the time every rank takes to stop once one rank fails:
-- the process group's timeout (short, `--timeout`, default 30 s): a blocked gloo/NCCL op raises after it; a
-  peer that died usually makes its sockets fail at once;
-- a watchdog thread in each worker: no progress (same step, same instruction) for timeout + 5 s ends the
-  process with a message naming the rank and the instruction;
+- every p2p wait gives up after `--timeout` (default 30 s); a peer that died usually makes the sockets fail at
+  once. With gloo the process group itself gets max(timeout, 120 s), so that a slow start-up (processes
+  importing torch on a busy machine) is not mistaken for a fault; with NCCL it gets the timeout;
+- a watchdog thread in each worker: no progress inside the stream (same step, same instruction) for
+  timeout + 5 s ends the process with a message naming the rank and the instruction (set-up and the per-step
+  collectives block only in collectives, which the process group's timeout bounds);
 - the parent (local launches): once a rank has failed, the others get timeout + 10 s to exit, then are killed.
 A worker that fails reports `rank R: step K, instruction I (label): cause` and exits non-zero.
 """
@@ -28,6 +30,11 @@ from typing import Any
 from pipec.errors import PipecError
 
 DEFAULT_TIMEOUT_S = 30.0
+SETUP_TIMEOUT_S = 120.0  # gloo: rendezvous, set-up and per-step collectives; p2p waits use the short timeout
+
+
+def group_timeout(backend: str, timeout_s: float) -> timedelta:
+    return timedelta(seconds=timeout_s if backend == "nccl" else max(timeout_s, SETUP_TIMEOUT_S))
 
 
 class RunError(PipecError):
@@ -148,9 +155,8 @@ def _worker_entry(rank, world, store, backend, timeout_s, fn, args, results) -> 
         os._exit(code)
 
     try:
-        dist.init_process_group(
-            backend, init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
-        )
+        store_url, limit = f"file://{store}", group_timeout(backend, timeout_s)
+        dist.init_process_group(backend, init_method=store_url, rank=rank, world_size=world, timeout=limit)
         start_watchdog(timeout_s, lambda message: fail(message, 4))
         result = fn(*args)
     except BaseException as error:  # every failure becomes a message naming the rank
@@ -167,7 +173,7 @@ def _worker_entry(rank, world, store, backend, timeout_s, fn, args, results) -> 
 
 
 def start_watchdog(timeout_s: float, on_stall: Callable[[str], None]) -> None:
-    """A daemon thread: if this rank makes no progress for timeout + 5 s, report where it is and end it."""
+    """A daemon thread: if this rank's stream makes no progress for timeout + 5 s, report where it is and end it."""
     from pipec.runtime import worker
 
     limit = timeout_s + 5.0
@@ -177,7 +183,7 @@ def start_watchdog(timeout_s: float, on_stall: Callable[[str], None]) -> None:
         while True:
             time.sleep(0.5)
             now_at = worker.progress()
-            if now_at != last:
+            if now_at is None or now_at != last:
                 last, since = now_at, time.monotonic()
             elif time.monotonic() - since > limit:
                 on_stall(f"rank {worker.rank_or_unknown()}: no progress for {limit:.0f} s at {worker.where()}")
@@ -200,7 +206,7 @@ def join_torchrun(fn: Callable[..., Any], args: tuple = (), timeout_s: float = D
         print(f"error: {message}", file=sys.stderr, flush=True)
         os._exit(4)
 
-    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, init_method="env://", timeout=group_timeout(backend, timeout_s))
     start_watchdog(timeout_s, stall)
     try:
         return fn(*args)

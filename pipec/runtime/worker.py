@@ -14,6 +14,7 @@ import json
 import statistics
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -36,6 +37,7 @@ class Options:
     report: str | None = None
     trace: str | None = None
     quiet: bool = False
+    timeout_s: float = 30.0  # each p2p batch
 
 
 @dataclass
@@ -65,7 +67,14 @@ class Runner:
     events: list = field(default_factory=list)  # (step, actions, category, start, duration), when tracing
 
     @classmethod
-    def setup(cls, program: Program, work: workload.Workload, partition: str = "params", tracing: bool = False):
+    def setup(
+        cls,
+        program: Program,
+        work: workload.Workload,
+        partition: str = "params",
+        tracing: bool = False,
+        p2p_timeout_s: float = 30.0,
+    ):
         rank = dist.get_rank()
         if dist.get_world_size() != program.ranks:
             raise PipecInputError(f"the schedule is compiled for {program.ranks} ranks but {dist.get_world_size()} run")
@@ -87,6 +96,7 @@ class Runner:
             device=device,
             training=not program.forward_only,
             tracing=tracing,
+            p2p_timeout=timedelta(seconds=p2p_timeout_s),
         )
         params = [p for stage in mine.values() for p in stage.parameters()]
         optimizer = workload.make_optimizer(work, params) if ctx.training else None
@@ -192,7 +202,7 @@ def train(program: Program, options: Options, say=print) -> dict:
     """Run every step on this rank; rank 0 prints and writes the files. Returns this rank's result."""
     rank, world = dist.get_rank(), dist.get_world_size()
     work = workload.build(options.model, options.seed)
-    runner = Runner.setup(program, work, options.partition, tracing=options.trace is not None)
+    runner = Runner.setup(program, work, options.partition, options.trace is not None, options.timeout_s)
     _CURRENT.append(runner)
     talk = rank == 0 and not options.quiet
     if talk:
@@ -351,10 +361,11 @@ def describe_failure(error: BaseException, rank: int) -> str:
     return f"rank {rank}: {where()}: {text}"
 
 
-def progress() -> tuple:
-    """What changes while this rank makes progress (the watchdog compares it over time)."""
-    if not _CURRENT:
-        return ("set-up",)
+def progress() -> tuple | None:
+    """What changes while this rank runs its stream (the watchdog compares it over time); None outside the
+    stream (set-up, between steps), where only collectives block and the process group's timeout bounds them."""
+    if not _CURRENT or _CURRENT[-1].ctx.pc < 0:
+        return None
     runner = _CURRENT[-1]
     return (id(runner), runner.step_index, runner.ctx.pc)
 

@@ -199,3 +199,14 @@ def test_viz_and_show_commands(tmp_path, capsys):
     assert "needs -o" in capsys.readouterr().err
     assert main(["show", "gpipe", "-P", "2", "-M", "2", "--cost", "F=1,B=1", "--p2p", "ideal"]) == 0
     assert "rank 1  |.  F0 F1 B0 B1" in capsys.readouterr().out
+
+
+def test_large_pictures_drop_labels_but_keep_every_box(monkeypatch):
+    import pipec.viz.svg as svg_module
+
+    monkeypatch.setattr(svg_module, "DETAIL_LIMIT", 10)
+    result = simulate(pipec.load("gpipe", 2, 4), record=True, p2p="ideal")
+    root = ET.fromstring(svg_module.render_svg(result))
+    fills = {colour(Kind.F), colour(Kind.B)}
+    boxes = [r for r in root.iter(NS + "rect") if r.get("fill") in fills and r.get("height") == "26.0"]
+    assert len(boxes) == 2 * 2 * 4 and all(r.find(NS + "title") is None for r in boxes)

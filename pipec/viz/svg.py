@@ -18,6 +18,7 @@ from pipec.ir import Action, Kind
 _BASE = {Kind.F: (0x3B, 0x6F, 0xC9), Kind.B: (0x2E, 0x9E, 0x6B), Kind.I: (0x4D, 0xB3, 0x9C), Kind.W: (0x8E, 0x63, 0xC7)}
 _NAMES = {Kind.F: "F forward", Kind.B: "B backward", Kind.I: "I input grad", Kind.W: "W weight grad"}
 _ROW, _GAP, _LEFT, _TOP = 26, 6, 58, 44
+DETAIL_LIMIT = 5000  # instructions; above this boxes carry no label or tooltip
 
 
 def colour(kind: Kind, chunk: int = 0, chunks: int = 1) -> str:
@@ -61,6 +62,8 @@ def render_svg(result, arrows: bool = False, title: str | None = None, width: in
             'stroke="#c8c8c8" stroke-width="0.8"/>'
         )
     font = max(6.0, min(11.0, _min_width(result) * scale * 0.55))
+    # past a few thousand boxes labels are unreadable anyway; dropping them and the tooltips keeps files small
+    detailed = sum(len(line) for line in result.timeline) <= DETAIL_LIMIT
     for r, line in enumerate(result.timeline):
         y = _TOP + r * (_ROW + _GAP)
         for op in line:
@@ -76,7 +79,7 @@ def render_svg(result, arrows: bool = False, title: str | None = None, width: in
             parts = op.instruction.parts
             h = _ROW / len(parts)  # an overlapped pair: its two halves stacked in one box
             for k, action in enumerate(parts):
-                out.append(_box(action, x, y + k * h, w, h, chunk_of, V, font, op.start, op.end))
+                out.append(_box(action, x, y + k * h, w, h, chunk_of, V, font, op.start, op.end, detailed))
     if arrows:
         out.append(_arrows(result, scale))
     out.extend(_axis(makespan, scale, _TOP + P * (_ROW + _GAP)))
@@ -85,9 +88,11 @@ def render_svg(result, arrows: bool = False, title: str | None = None, width: in
     return "\n".join(out) + "\n"
 
 
-def _box(action: Action, x, y, w, h, chunk_of, chunks, font, start, end) -> str:
+def _box(action: Action, x, y, w, h, chunk_of, chunks, font, start, end, detailed: bool = True) -> str:
     chunk = chunk_of[action.stage]
     fill = colour(action.kind, chunk, chunks)
+    if not detailed:
+        return f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" fill="{fill}"/>'
     label = ""
     if w >= font * 0.75 * len(str(action.mb)) and h >= font:
         label = (

@@ -283,3 +283,15 @@ def test_ideal_model_message_time():
 
 def test_unused_action_import_keeps_ruff_quiet():
     assert Action(0, Kind.F, 0).stage == 0
+
+
+def test_memory_costs_reach_the_liveness_function(tmp_path):
+    # 1F1B: rank r keeps P - r micro-batches in flight, each the size of its stage's activations
+    path = _write(tmp_path, {"activation": [1, 1, 2, 4]})
+    result = simulate(pipec.load("1f1b", 4, 8), parse_costs(str(path)), p2p="ideal")
+    assert result.peak_memory == (4.0, 3.0, 4.0, 4.0)
+    program = pipec.load("zb_h1", 4, 8)
+    result = simulate(program, parse_costs("input_fraction=0.8"), p2p="ideal")
+    assert result.peak_memory == peak_activations(program, 0.8) != peak_activations(program, 0.5)
+    with pytest.raises(PipecInputError, match="3 entries"):
+        simulate(program, parse_costs(str(_write(tmp_path, {"activation": [1, 2, 3]}))), p2p="ideal")

@@ -14,6 +14,9 @@ Durations are in arbitrary time units (seconds if you measured seconds). Default
   included (the runtime's rule). With 1, a sender is released once its receiver has posted the matching receive
   (the transfer runs on a communication engine while the sender computes); the receiver still waits for the data.
 - An overlapped pair (F & B as one instruction, DualPipe) takes the sum of its halves.
+- Memory (for the peak-activation figures, through ``pipec.verify.memory``): ``activation``, the activations of
+  one micro-batch on a stage (a number or, in JSON, one per stage; default 1 unit everywhere) and
+  ``input_fraction``, the share of them I frees (W frees the rest; default 0.5).
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ from pathlib import Path
 
 from pipec.errors import PipecInputError
 from pipec.ir import Kind
+from pipec.verify.memory import DEFAULT_INPUT_FRACTION
 
 Value = float | tuple[float, ...]
 _COMPUTE = ("F", "B", "I", "W")
-_SCALARS = ("comm", "latency", "bandwidth", "size", "overlap")
-_KEYS = (*_COMPUTE, *_SCALARS, "scale")
+_SCALARS = ("comm", "latency", "bandwidth", "size", "overlap", "input_fraction")
+_KEYS = (*_COMPUTE, *_SCALARS, "scale", "activation")
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,8 @@ class Costs:
     size: float = 0.0
     overlap: bool = False
     scale: tuple[float, ...] | None = None
+    activation: Value | None = None  # activations of one micro-batch on a stage (memory units); None: 1
+    input_fraction: float = DEFAULT_INPUT_FRACTION
 
     @property
     def message_time(self) -> float:
@@ -79,6 +85,10 @@ class Costs:
             parts.append("overlap=1")
         if self.scale is not None:
             parts.append("scale=" + _text(self.scale))
+        if self.activation is not None:
+            parts.append("activation=" + _text(self.activation))
+        if self.input_fraction != DEFAULT_INPUT_FRACTION:
+            parts.append(f"input_fraction={self.input_fraction:g}")
         return ",".join(parts)
 
 
@@ -131,6 +141,10 @@ def _from_mapping(data: Mapping, where: str) -> Costs:
         fields["scale"] = scale if isinstance(scale, tuple) else None
         if not isinstance(scale, tuple):
             raise PipecInputError(f"{where}: 'scale' must be a list with one factor per stage")
+    if "activation" in data:
+        fields["activation"] = _value("activation", data["activation"], where)
+    if fields.get("input_fraction", 0.0) > 1:
+        raise PipecInputError(f"{where}: input_fraction must be between 0 and 1")
     _derive_backward(fields, where)
     if fields.get("bandwidth", 1.0) == 0:
         raise PipecInputError(f"{where}: bandwidth must be positive")

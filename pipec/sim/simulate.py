@@ -26,7 +26,7 @@ from typing import NamedTuple
 from pipec.errors import PipecInputError, ScheduleError
 from pipec.ir import Action, Instruction, Kind, Program
 from pipec.sim.costs import DEFAULT_COSTS, Costs
-from pipec.verify.memory import DEFAULT_INPUT_FRACTION, peak_activations
+from pipec.verify.memory import peak_activations
 
 _SEND = (Kind.SEND_F, Kind.SEND_B)
 P2P_MODELS = ("nccl", "tagged", "ideal")
@@ -131,7 +131,7 @@ def simulate(
     program: Program,
     costs: Costs = DEFAULT_COSTS,
     record: bool = False,
-    input_fraction: float = DEFAULT_INPUT_FRACTION,
+    input_fraction: float | None = None,
     p2p: str = "nccl",
 ) -> SimResult:
     """Simulate ``program`` (with send/recv, as ``pipec.compile`` returns it) under ``costs``.
@@ -158,7 +158,7 @@ def simulate(
             gc.enable()
 
 
-def _simulate(program: Program, costs: Costs, record: bool, input_fraction: float, p2p: str) -> SimResult:
+def _simulate(program: Program, costs: Costs, record: bool, input_fraction: float | None, p2p: str) -> SimResult:
     if not program.has_comms and p2p != "ideal":
         from pipec.passes.p2p import insert_p2p_ops
 
@@ -406,13 +406,13 @@ def _simulate(program: Program, costs: Costs, record: bool, input_fraction: floa
         comm=tuple(comm),
         finish=tuple(time),
         start=tuple(max(f, 0.0) for f in first),
-        peak_memory=peak_activations(program, input_fraction),
+        peak_memory=_peaks(program, costs, input_fraction),
         timeline=tuple(tuple(t) for t in timeline) if record else (),
         messages=tuple(messages),
     )
 
 
-def _simulate_dataflow(program: Program, costs: Costs, record: bool, input_fraction: float) -> SimResult:
+def _simulate_dataflow(program: Program, costs: Costs, record: bool, input_fraction: float | None) -> SimResult:
     """The ``ideal`` model: compute instructions in program order, each starting once its rank is free and its
     inputs exist (plus ``message_time`` when the producer lives on another rank). Send/recv are ignored."""
     compute = program.compute_streams()
@@ -512,10 +512,23 @@ def _simulate_dataflow(program: Program, costs: Costs, record: bool, input_fract
         comm=(0.0,) * ranks,
         finish=tuple(time),
         start=tuple(max(f, 0.0) for f in first),
-        peak_memory=peak_activations(program, input_fraction),
+        peak_memory=_peaks(program, costs, input_fraction),
         timeline=tuple(tuple(line) for line in timeline) if record else (),
         messages=tuple(messages),
     )
+
+
+def _peaks(program: Program, costs: Costs, input_fraction: float | None) -> tuple[float, ...]:
+    """Peak activations per rank from the one liveness function, with the cost model's memory settings."""
+    fraction = costs.input_fraction if input_fraction is None else input_fraction
+    sizes = None
+    if costs.activation is not None:
+        sizes = costs.activation if isinstance(costs.activation, tuple) else (costs.activation,) * program.num_stages
+        if len(sizes) != program.num_stages:
+            raise PipecInputError(
+                f"cost 'activation' has {len(sizes)} entries, the schedule has {program.num_stages} stages"
+            )
+    return peak_activations(program, fraction, sizes)
 
 
 def _ordinal(k: int) -> str:

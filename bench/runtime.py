@@ -129,7 +129,7 @@ def dispatch_cost(runner, repeats: int = 200) -> float:
         interpreter.DISPATCH.update(handlers)
 
 
-def worker(sizes: list[tuple[int, int]], microbatches: int, rounds: int, steps: int) -> dict:
+def worker(sizes: list[tuple[int, int]], microbatches: int, rounds: int, steps: int, only: list[str]) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -139,6 +139,8 @@ def worker(sizes: list[tuple[int, int]], microbatches: int, rounds: int, steps: 
         torch.manual_seed(1)
         x, y = torch.randn(rows * microbatches, hidden), torch.randn(rows * microbatches, hidden)
         for label, torch_class, pipec_name, chunks in PAIRS:
+            if only and label not in only and pipec_name not in only:
+                continue
             runs = {
                 "torch": TorchRun(torch_class, chunks, hidden, microbatches, ranks),
                 "pipec": PipecRun(pipec_name, chunks, hidden, microbatches, ranks, (x, y)),
@@ -170,13 +172,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (after one warm-up round)")
     parser.add_argument("--steps", type=int, default=4, help="steps per implementation per round")
     parser.add_argument("--sizes", nargs="+", default=["16x1", "256x32"], help="HIDDENxROWS per micro-batch")
+    parser.add_argument("--schedules", nargs="+", default=[], help="only these (torch or pipec names)")
     args = parser.parse_args()
     sizes = [tuple(int(v) for v in text.split("x")) for text in args.sizes]
 
     from pipec.runtime import launch
 
     start = time.perf_counter()
-    results = launch.spawn(worker, args.ranks, (sizes, args.microbatches, args.rounds, args.steps), timeout_s=120)[0]
+    results = launch.spawn(
+        worker, args.ranks, (sizes, args.microbatches, args.rounds, args.steps, args.schedules), timeout_s=120
+    )[0]
     print(
         f"{args.ranks} gloo ranks, 1 thread each, {BLOCKS} x (Linear+ReLU), M={args.microbatches}, "
         f"{args.rounds} alternating rounds x {args.steps} steps, median step (slowest rank)"

@@ -49,6 +49,7 @@ def test_library_is_accepted_under_both_models() -> None:
         for model in ("nccl", "tagged"):
             report = verify(program, p2p=model)
             assert report.ok, f"{name} P={p} M={m} V={v} under {model}:\n{report.render()}"
+            assert report.peak_memory == peak_activations(program)  # the fused count equals memory_profile's
         seen[name] = seen.get(name, 0) + 1
     assert set(seen) == set(bundled_names())
     assert min(seen.values()) >= 10, seen

@@ -18,8 +18,12 @@ from pipec.passes.p2p import insert_p2p_ops
 from pipec.verify import verify
 from pipec.verify.deadlock import execute
 
-PROPERTY = settings(
-    max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow], database=None
+# fixed example counts, no deadline, derandomized: the suite is stable and takes a few seconds
+VALID = settings(
+    max_examples=400, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow], database=None
+)
+BROKEN = settings(
+    max_examples=1500, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow], database=None
 )
 
 
@@ -28,7 +32,7 @@ def _stops(program, model: str) -> tuple[int, ...]:
     return tuple(run.units.starts[r][u] for r, u in enumerate(run.stop))
 
 
-@PROPERTY
+@VALID
 @given(valid_programs())
 def test_valid_orders_are_accepted_and_run(program) -> None:
     for model in ("tagged", "nccl"):
@@ -41,7 +45,7 @@ def test_valid_orders_are_accepted_and_run(program) -> None:
         assert outcome.completed and not outcome.mismatches, (model, outcome)
 
 
-@PROPERTY
+@BROKEN
 @given(broken_programs())
 def test_verdicts_equal_the_executor(case) -> None:
     program, mutation = case

@@ -37,34 +37,44 @@ def insert_p2p_ops(program: Program) -> Program:
     # Keys are plain (stage, tag, mb) tuples: hashing an Action would run Enum.__hash__ in Python. Tags: F the
     # forward ran, G the input gradient exists (B or I ran), I the I ran (W may run).
     done: set[tuple[int, str, int]] = set()
-    needs = [[_needs(instruction, last) for instruction in stream] for stream in streams]
+    # per stage, the rank its output goes to (forward: stage + 1, backward: stage - 1), None at the ends
+    forward_to = [where[s + 1] if s < last else None for s in range(last + 1)]
+    backward_to = [where[s - 1] if s > 0 else None for s in range(last + 1)]
+    new = tuple.__new__  # builds an Action without the NamedTuple's Python-level __new__ (800k of them at scale)
+    f, b, i_ = Kind.F, Kind.B, Kind.I
+    send_f, recv_f, send_b, recv_b = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
 
     def run(rank: int, instruction: Instruction) -> None:
-        out[rank].append(instruction)
-        for action in instruction.parts:
-            stage, kind, mb = action
-            if kind is Kind.F:
+        mine = out[rank]
+        mine.append(instruction)
+        for stage, kind, mb in (instruction,) if type(instruction) is Action else instruction.parts:
+            if kind is f:
                 done.add((stage, "F", mb))
-            elif kind is Kind.B:
+                peer = forward_to[stage] if 0 <= stage <= last else None
+                if peer is not None and peer != rank:
+                    mine.append(new(Action, (stage, send_f, mb)))
+                    out[peer].append(new(Action, (stage + 1, recv_f, mb)))
+            elif kind is b or kind is i_:
                 done.add((stage, "G", mb))
-            elif kind is Kind.I:
-                done.add((stage, "G", mb))
-                done.add((stage, "I", mb))
-            message = _remote_output(action, rank, where, last)
-            if message is not None:
-                send, peer, recv = message
-                out[rank].append(send)
-                out[peer].append(recv)
+                if kind is i_:
+                    done.add((stage, "I", mb))
+                peer = backward_to[stage] if 0 <= stage <= last else None
+                if peer is not None and peer != rank:
+                    mine.append(new(Action, (stage, send_b, mb)))
+                    out[peer].append(new(Action, (stage - 1, recv_b, mb)))
 
     position = [0] * len(streams)
+    waiting = [_needs(stream[0], last) if stream else () for stream in streams]  # what each next instruction reads
     active = [rank for rank, stream in enumerate(streams) if stream]
     while active:
         progress = False
         for rank in active:
-            i = position[rank]
-            if done.issuperset(needs[rank][i]):
-                run(rank, streams[rank][i])
-                position[rank] = i + 1
+            if done.issuperset(waiting[rank]):
+                stream, k = streams[rank], position[rank]
+                run(rank, stream[k])
+                position[rank] = k = k + 1
+                if k < len(stream):
+                    waiting[rank] = _needs(stream[k], last)
                 progress = True
         active = [rank for rank in active if position[rank] < len(streams[rank])]
         if not progress:
@@ -87,6 +97,13 @@ def insert_p2p_ops(program: Program) -> Program:
 
 def _needs(instruction: Instruction, last: int) -> tuple[tuple[int, str, int], ...]:
     """The keys that must be done before the instruction runs (see `done` in insert_p2p_ops)."""
+    if type(instruction) is Action:  # the common case, without building a list
+        stage, kind, mb = instruction
+        if kind is Kind.F:
+            return ((stage - 1, "F", mb),) if stage > 0 else ()
+        if kind is Kind.B or kind is Kind.I:
+            return ((stage, "F", mb), (stage + 1, "G", mb)) if stage < last else ((stage, "F", mb),)
+        return ((stage, "I", mb),) if kind is Kind.W else ()
     out = []
     for stage, kind, mb in instruction.parts:
         if kind is Kind.F:

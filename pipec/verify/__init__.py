@@ -89,18 +89,18 @@ def verify(
     if memory_limit is not None and memory_limit < 0:
         raise PipecInputError(f"the memory limit must not be negative, got {memory_limit:g}")
     sizes = validate_memory_model(program, input_fraction, stage_sizes)
-    flat = flatten(program)  # the int form every pass shares
+    flat = flatten(program, input_fraction, sizes)  # the int form every pass shares
     verdicts = [Verdict("structure", *_ok(check_structure(program, flat)))]
     if verdicts[0].ok:
         if p2p == "nccl" and not program.has_comms:  # positions in the explanations are the lowered program's
             from pipec.passes.p2p import insert_p2p_ops
 
             program = insert_p2p_ops(program)
-            flat = flatten(program)
+            flat = flatten(program, input_fraction, sizes)
         if p2p == "nccl":
             verdicts.append(Verdict("p2p order", *_ok(check_p2p_order(program, flat))))
         verdicts.append(Verdict("deadlock", *_ok(check_deadlock(program, p2p, flat)), note=f"({p2p} model)"))
-    peaks = peak_activations(program, input_fraction, sizes)
+    peaks = flat.peaks
     if verdicts[0].ok:
         verdicts.append(Verdict("memory", *_ok(check_memory(program, peaks, memory_limit, input_fraction, sizes))))
     return Report(program, tuple(verdicts), peaks, p2p, memory_limit)

@@ -88,25 +88,7 @@ Channels = dict[tuple[int, int], tuple[list[tuple[int, int]], list[tuple[int, in
 
 def channels(program: Program, flat: Flat) -> Channels:
     """(src, dst) -> ((op index, key) of src's sends to dst, (op index, key) of dst's receives from src), in order."""
-    if "channels" in flat.cache:
-        return flat.cache["channels"]
-    out: Channels = flat.cache.setdefault("channels", {})
-    placement, mbs = program.stage_to_rank, flat.mbs
-    for rank, ops in enumerate(flat.ops):
-        for index, key in ops:
-            code = key & 7
-            if code < SEND_F:
-                continue
-            stage = (key >> 3) // mbs
-            if code == SEND_F:
-                out.setdefault((rank, placement[stage + 1]), ([], []))[0].append((index, key))
-            elif code == SEND_B:
-                out.setdefault((rank, placement[stage - 1]), ([], []))[0].append((index, key))
-            elif code == RECV_F:
-                out.setdefault((placement[stage - 1], rank), ([], []))[1].append((index, key))
-            else:
-                out.setdefault((placement[stage + 1], rank), ([], []))[1].append((index, key))
-    return out
+    return flat.channels
 
 
 def channel_matches(program: Program, flat: Flat) -> dict[tuple[int, int], tuple[int, int]]:
@@ -198,7 +180,7 @@ def _build_waits(program: Program, model: str, flat: Flat, units: Units) -> tupl
 
 def _message_waits(program: Program, model: str, flat: Flat, units: Units) -> tuple[tuple[tuple[Wait, ...], ...], ...]:
     unit_of, where = units.unit_of, flat.where
-    all_waits: list[dict[int, list[Wait]]] = [{} for _ in flat.ops]
+    all_waits: list[dict[int, list[Wait]]] = [{} for _ in flat.starts]
     for rank, index, need in flat.local:  # never satisfied: the op it needs is later on this rank, or elsewhere
         hit = next((where[k] for k in need if k in where), None)
         if hit is not None:

@@ -41,27 +41,45 @@ def code_of(kind: Kind) -> int:
 
 @dataclass(frozen=True)
 class Flat:
-    """Per rank, every action as (op index, key); where each key first occurs; how often each occurs; the units.
+    """Per rank, where each key first occurs, how often each occurs, the units, the channels, the memory peaks.
 
     A unit is a compute instruction or a batch (a maximal run of send/recv instructions). `local` lists, for a
     program with send/recv, every op whose input should come from its own rank (the compute before it, or the
-    receive that brought it) but is not there before the op's unit starts: (rank, op index, needed key). Those
+    receive that brought it) but is not there before the op's unit starts: (rank, op index, needed keys). Those
     are the only waits on a rank's own ops; everything else a program with send/recv waits for is a message.
+    `channels` maps (src, dst) to the (op index, key) of src's sends to dst and of dst's receives from src, in
+    stream order. `peaks` is each rank's peak activation memory under the memory model flatten was given.
     """
 
+    program: Program
     mbs: int  # the key multiplier: above every micro-batch named, so keys never collide
     stages: int  # above every stage named
-    ops: tuple[list[tuple[int, int]], ...]
     comm: tuple[list[bool], ...]  # per rank, per instruction: a send/recv?
     where: dict[int, tuple[int, int]]
     duplicates: dict[int, int]  # key -> count, only for keys seen more than once
     stages_on: tuple[set[int], ...]  # stages named on each rank
-    total: int
     starts: tuple[tuple[int, ...], ...]  # per rank, the op index where each unit starts, plus len(stream)
     unit_of: tuple[list[int], ...]  # per rank, op index -> unit
-    local: list[tuple[int, int, tuple[int, ...]]]  # (rank, op index, keys any of which it needs), see above
+    local: list[tuple[int, int, tuple[int, ...]]]
     comm_keys: list[int]
-    cache: dict = field(default_factory=dict, compare=False)  # derived tables shared by the passes (channels)
+    channels: dict[tuple[int, int], tuple[list[tuple[int, int]], list[tuple[int, int]]]]
+    peaks: tuple[float, ...]
+    cache: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def ops(self) -> tuple[list[tuple[int, int]], ...]:
+        """Per rank, every action as (op index, key) in stream order (built on first use)."""
+        if "ops" not in self.cache:
+            mbs, code_by_value = self.mbs, _CODE_BY_VALUE
+            self.cache["ops"] = tuple(
+                [
+                    (index, ((a.stage * mbs) + a.mb) * 8 + code_by_value[a.kind._value_])
+                    for index, instruction in enumerate(stream)
+                    for a in ((instruction,) if type(instruction) is Action else instruction.parts)
+                ]
+                for stream in self.program.streams
+            )
+        return self.cache["ops"]
 
     def key(self, stage: int, code: int, mb: int) -> int:
         return ((stage * self.mbs) + mb) * 8 + code
@@ -71,14 +89,19 @@ class Flat:
         return Action(stage, KINDS[key & 7], mb)
 
 
-def flatten(program: Program, mbs: int | None = None) -> Flat:
+def flatten(
+    program: Program,
+    input_fraction: float = 0.5,
+    stage_sizes: tuple[float, ...] | None = None,
+    mbs: int | None = None,
+) -> Flat:
     """One pass over the streams. Keys use `mbs` = M unless some op names a micro-batch >= M (then a second pass)."""
     streams = program.streams
     mbs = mbs or max(program.microbatches, 1)
     placement, last = program.stage_to_rank, program.num_stages - 1
     check_local = program.has_comms
     step = mbs * 8
-    ops: list[list[tuple[int, int]]] = []
+    deltas = (1.0, -1.0, -input_fraction, input_fraction - 1.0)  # F, B, I, W; see verify.memory
     comm: list[list[bool]] = []
     where: dict[int, tuple[int, int]] = {}
     duplicates: dict[int, int] = {}
@@ -87,16 +110,17 @@ def flatten(program: Program, mbs: int | None = None) -> Flat:
     all_unit_of: list[list[int]] = []
     local: list[tuple[int, int, tuple[int, ...]]] = []
     comm_keys: list[int] = []
+    channels: dict[tuple[int, int], tuple[list[tuple[int, int]], list[tuple[int, int]]]] = {}
+    peaks: list[float] = []
     top_stage, top_mb = program.num_stages - 1, 0
-    total = 0
     code_by_value = _CODE_BY_VALUE
     for rank, stream in enumerate(streams):
-        rank_ops: list[tuple[int, int]] = []
         rank_comm: list[bool] = []
         seen_stages: set[int] = set()
         starts: list[int] = []
         unit_of: list[int] = []
         in_batch = False
+        live = peak = 0.0
         for index, instruction in enumerate(stream):
             parts = (instruction,) if type(instruction) is Action else instruction.parts
             is_comm = code_by_value[parts[0].kind._value_] >= SEND_F
@@ -111,15 +135,30 @@ def flatten(program: Program, mbs: int | None = None) -> Flat:
                 if mb > top_mb:
                     top_mb = mb
                 key = ((stage * mbs) + mb) * 8 + code
-                rank_ops.append((index, key))
                 seen_stages.add(stage)
                 if key in where:
                     duplicates[key] = duplicates.get(key, 1) + 1
                 else:
                     where[key] = (rank, index)
+                in_range = 0 <= stage <= last
                 if code >= SEND_F:
                     comm_keys.append(key)
-                if not check_local or code == RECV_F or code == RECV_B or not 0 <= stage <= last:
+                    peer_stage = stage + 1 if code == SEND_F or code == RECV_B else stage - 1
+                    if in_range and 0 <= peer_stage <= last:
+                        peer = placement[peer_stage]
+                        if code == SEND_F or code == SEND_B:
+                            channel = channels.get((rank, peer)) or channels.setdefault((rank, peer), ([], []))
+                            channel[0].append((index, key))
+                        else:
+                            channel = channels.get((peer, rank)) or channels.setdefault((peer, rank), ([], []))
+                            channel[1].append((index, key))
+                    if code == RECV_F or code == RECV_B:
+                        continue
+                elif stage_sizes is None:
+                    live += deltas[code]
+                elif in_range:
+                    live += deltas[code] * stage_sizes[stage]
+                if not check_local or not in_range:
                     continue
                 # the keys (any one of them) this op reads from its own rank
                 base = key - code
@@ -146,18 +185,19 @@ def flatten(program: Program, mbs: int | None = None) -> Flat:
                         break
                 else:
                     local.append((rank, index, need))
+            if live > peak:  # live memory after the whole instruction, as memory_profile counts it
+                peak = live
         starts.append(len(stream))
-        total += len(rank_ops)
-        ops.append(rank_ops)
         comm.append(rank_comm)
         stages_on.append(seen_stages)
         all_starts.append(tuple(starts))
         all_unit_of.append(unit_of)
+        peaks.append(0.0 if program.forward_only else peak)
         if seen_stages:
             top_stage = max(top_stage, max(seen_stages))
     if top_mb >= mbs:  # keys would collide: start again with room for every micro-batch named
-        return flatten(program, top_mb + 1)
+        return flatten(program, input_fraction, stage_sizes, top_mb + 1)
     return Flat(
-        mbs, top_stage + 1, tuple(ops), tuple(comm), where, duplicates, tuple(stages_on), total,
-        tuple(all_starts), tuple(all_unit_of), local, comm_keys,
+        program, mbs, top_stage + 1, tuple(comm), where, duplicates, tuple(stages_on), tuple(all_starts),
+        tuple(all_unit_of), local, comm_keys, channels, tuple(peaks),
     )

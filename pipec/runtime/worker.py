@@ -105,6 +105,8 @@ class Runner:
         return cls(program, work, rank, sizes, ctx, interpreter.plan(program.streams[rank]), optimizer, params)
 
     def step(self, batch) -> StepStats:
+        """One step: split the batch, clear gradients, run the stream, step the optimizer (all timed)."""
+        start = time.perf_counter()
         self.step_index += 1
         ctx = self.ctx
         inputs, targets = workload.split(batch, self.program.microbatches)
@@ -113,17 +115,15 @@ class Runner:
         ctx.compute_s = ctx.comm_s = 0.0
         for p in self.params:
             p.grad = None
-        start = time.perf_counter()
         loop_s = interpreter.run(ctx, self.entries, inputs, targets)
         opt_start = time.perf_counter()
         if self.optimizer is not None:
             self.optimizer.step()
-        wall = time.perf_counter() - start
+        end = time.perf_counter()
         self.events.extend((self.step_index, *event) for event in ctx.events)
         ctx.events.clear()
-        holds_loss = self.program.stage_to_rank[-1] == self.rank
-        loss = float(ctx.loss) if holds_loss else None
-        return StepStats(wall, loop_s, ctx.compute_s, ctx.comm_s, wall - (opt_start - start), loss)
+        loss = float(ctx.loss) if self.program.stage_to_rank[-1] == self.rank else None
+        return StepStats(end - start, loop_s, ctx.compute_s, ctx.comm_s, end - opt_start, loss)
 
     def where(self) -> str:
         """The current step and instruction, for error messages and the watchdog."""

@@ -51,6 +51,8 @@ def _configs(ranks: int) -> list[tuple]:
             out.append(((name, "residual"), name, ranks, m, "workloads:residual", STEPS))
     if ranks == 2:
         out.append((("disagree", "mlp"), "1f1b", 2, (4, 2), "workloads:mlp", 1))
+        out.append((("zb_h1", "mlp-profiled"), "zb_h1", 2, 4, "workloads:mlp", STEPS, "profile"))
+        out.append((("zb_h1", "mlp-explicit"), "zb_h1", 2, 4, "workloads:mlp", STEPS, "3,13"))
     return out
 
 
@@ -131,6 +133,14 @@ def test_schedule_trains_like_one_process(name: str, ranks: int) -> None:
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_layernorm_gelu_residual_model(name: str, ranks: int) -> None:
     check_run(name, ranks, "residual")
+
+
+@pytest.mark.parametrize("how", ["profiled", "explicit"])
+def test_any_partition_trains_the_same(how: str) -> None:
+    run = runs(2)[("zb_h1", f"mlp-{how}")]
+    assert_same_weights(run["weights"], reference("mlp")[0])
+    sizes = run["report"]["partition"]
+    assert sum(sizes) == 16 and (how == "profiled" or sizes == [3, 13])
 
 
 def test_ranks_that_disagree_about_the_schedule_stop_at_set_up() -> None:

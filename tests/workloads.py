@@ -90,8 +90,9 @@ def tiny() -> Workload:
 
 
 def train_many(configs: list[tuple]) -> dict:
-    """Runs in every worker of one spawn: train each (key, schedule, P, M, model, steps) config in turn, sharing
-    the processes' start-up. Returns, per key, this rank's weights and the run's report (or the error text)."""
+    """Runs in every worker of one spawn: train each (key, schedule, P, M, model, steps[, partition]) config in
+    turn, sharing the processes' start-up. Returns, per key, this rank's weights and the run's report (or the
+    error text)."""
     import torch.distributed as dist
 
     import pipec
@@ -99,12 +100,13 @@ def train_many(configs: list[tuple]) -> dict:
     from pipec.runtime.worker import Options, train
 
     out = {}
-    for key, schedule, ranks, microbatches, model, steps in configs:
+    for key, schedule, ranks, microbatches, model, steps, *partition in configs:
         if isinstance(microbatches, tuple):  # one count per rank: ranks that disagree about the schedule
             microbatches = microbatches[dist.get_rank()]
         try:
             program = pipec.compile(schedule, ranks, microbatches)
-            out[key] = train(program, Options(model=model, steps=steps, quiet=True))
+            options = Options(model=model, steps=steps, quiet=True, partition=(partition or ["params"])[0])
+            out[key] = train(program, options)
         except PipecError as e:  # the disagreement check raises on every rank at set-up, before any message
             out[key] = {"error": e.message}
     return out

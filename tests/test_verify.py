@@ -213,3 +213,16 @@ def test_cli_check_exit_codes_and_report(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["check", "no_such_schedule", "-P", "2"]) == 2
     assert main(["compile", "1f1b", "-P", "4", "-M", "8", "--memory-limit", "2"]) == 1
     assert "memory     FAILED" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("name", "p", "m", "v"), [("forward_only", 2, 3, 2), ("1f1b", 3, 4, 1), ("zbv", 2, 4, 2)])
+def test_a_missing_message_pair_is_a_structure_error(name: str, p: int, m: int, v: int) -> None:
+    program = pipec.compile(name, p, m, v)
+    send = next(a for a in program.streams[0] if a.kind is Kind.SEND_F)
+    recv = Action(send.stage + 1, Kind.RECV_F, send.mb)
+    streams = tuple(tuple(i for i in s if i not in (send, recv)) for s in program.streams)
+    broken = program.with_streams(streams, has_comms=True)
+    for model in ("nccl", "tagged"):
+        structure = verify(broken, p2p=model).verdict("structure")
+        assert not structure.ok
+        assert f"{send.stage + 1}F{send.mb} needs the activation of {send.stage}F{send.mb}" in structure.explanation

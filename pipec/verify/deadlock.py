@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pipec.ir import Action, Kind, Program
-from pipec.verify.flat import RECV_B, RECV_F, SEND_B, SEND_F, B, F, Flat, I, W, flatten
+from pipec.verify.flat import RECV_F, B, F, Flat, I, W, flatten
 
 MODELS = ("nccl", "tagged")
 
@@ -109,58 +109,37 @@ def _build_waits(program: Program, model: str, flat: Flat, units: Units) -> tupl
 
     With send/recv instructions every wait across ranks is a message (its channel partner under nccl, the send
     of the same name for a tagged receive) and the only waits on a rank's own ops are the few `flat.local` found
-    out of order; a compute-only program waits on the computes it reads, wherever they run (one pass over keys).
+    out of order. A compute-only program waits on the computes it reads, wherever they run.
     """
     if program.has_comms:
         return _message_waits(program, model, flat, units)
-    placement, where, mbs = program.stage_to_rank, flat.where, flat.mbs
+    return _data_waits(program, flat, units)
+
+
+def _data_waits(program: Program, flat: Flat, units: Units) -> tuple[tuple[tuple[Wait, ...], ...], ...]:
+    """Compute-only programs: F(s,m) waits for F(s-1,m), B/I(s,m) for F(s,m) and the backward of (s+1,m), W for I."""
+    where, mbs = flat.where, flat.mbs
     last, step = program.num_stages - 1, mbs * 8
-    comms, nccl = program.has_comms, model == "nccl"
     unit_of = units.unit_of
-    all_waits: list[dict[int, list[Wait]]] = [{} for _ in flat.ops]
-    if nccl:  # every send/recv waits for the op it meets on its channel to be posted
-        for (src, dst), (sends, recvs) in channels(program, flat).items():
-            src_of, dst_of, src_waits, dst_waits = unit_of[src], unit_of[dst], all_waits[src], all_waits[dst]
-            for (i, _), (j, _) in zip(sends, recvs, strict=False):
-                src_waits.setdefault(src_of[i], []).append((dst, dst_of[j], j, i))
-                dst_waits.setdefault(dst_of[j], []).append((src, src_of[i], i, j))
     result = []
     for rank, ops in enumerate(flat.ops):
-        starts, of = units.starts[rank], unit_of[rank]
-        waits = all_waits[rank]
+        starts = units.starts[rank]
+        waits: dict[int, list[Wait]] = {}
         for index, key in ops:
             code = key & 7
             base = key - code
             stage = (key >> 3) // mbs
-            need = need2 = -1  # keys this op needs computed (need2: the other backward kind)
-            peer = None  # tagged: the send a receive waits for
             if code == F:
-                if stage > 0:
-                    need = base - step if (not comms or placement[stage - 1] == rank) else base + RECV_F
+                needs = (base - step + F,) if stage > 0 else ()
             elif code == B or code == I:
-                need = base + F
-                if stage < last:
-                    if not comms or placement[stage + 1] == rank:
-                        need2 = base + step + B if base + step + B in where else base + step + I
-                    else:
-                        need2 = base + RECV_B
+                gradient = base + step + B if base + step + B in where else base + step + I
+                needs = (base + F, gradient) if stage < last else (base + F,)
             elif code == W:
-                need = base + I
+                needs = (base + I,)
             else:
-                if code == SEND_F:
-                    need = base + F
-                elif code == SEND_B:
-                    need = base + B if base + B in where else base + I
-                if nccl:
-                    pass
-                elif code == RECV_F:
-                    peer = where.get(base - step + SEND_F)
-                elif code == RECV_B:
-                    peer = where.get(base + step + SEND_B)
-            unit = of[index]
-            for needed in (need, need2):
-                if needed < 0:
-                    continue
+                needs = ()
+            unit = unit_of[rank][index]
+            for needed in needs:
                 hit = where.get(needed)
                 if hit is None:
                     continue
@@ -168,9 +147,6 @@ def _build_waits(program: Program, model: str, flat: Flat, units: Units) -> tupl
                 if q == rank and j < starts[unit]:
                     continue  # computed earlier on this rank: always holds when the unit is reached
                 waits.setdefault(unit, []).append((q, unit_of[q][j] + 1, j, index))
-            if peer is not None:
-                q, j = peer
-                waits.setdefault(unit, []).append((q, unit_of[q][j], j, index))
         rank_waits: list[tuple[Wait, ...]] = [()] * (len(starts) - 1)
         for unit, found in waits.items():
             rank_waits[unit] = tuple(found)

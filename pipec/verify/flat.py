@@ -53,11 +53,9 @@ class Flat:
 
     program: Program
     mbs: int  # the key multiplier: above every micro-batch named, so keys never collide
-    stages: int  # above every stage named
-    comm: tuple[list[bool], ...]  # per rank, per instruction: a send/recv?
     where: dict[int, tuple[int, int]]
     duplicates: dict[int, int]  # key -> count, only for keys seen more than once
-    stages_on: tuple[set[int], ...]  # stages named on each rank
+    misplaced: frozenset[int]  # ranks with an op whose stage is out of range or lives on another rank
     starts: tuple[tuple[int, ...], ...]  # per rank, the op index where each unit starts, plus len(stream)
     unit_of: tuple[list[int], ...]  # per rank, op index -> unit
     local: list[tuple[int, int, tuple[int, ...]]]
@@ -102,21 +100,21 @@ def flatten(
     check_local = program.has_comms
     step = mbs * 8
     deltas = (1.0, -1.0, -input_fraction, input_fraction - 1.0)  # F, B, I, W; see verify.memory
-    comm: list[list[bool]] = []
     where: dict[int, tuple[int, int]] = {}
     duplicates: dict[int, int] = {}
-    stages_on: list[set[int]] = []
+    misplaced: set[int] = set()
+    ranks = len(streams)
     all_starts: list[tuple[int, ...]] = []
     all_unit_of: list[list[int]] = []
     local: list[tuple[int, int, tuple[int, ...]]] = []
     comm_keys: list[int] = []
     channels: dict[tuple[int, int], tuple[list[tuple[int, int]], list[tuple[int, int]]]] = {}
     peaks: list[float] = []
-    top_stage, top_mb = program.num_stages - 1, 0
+    top_mb = 0
     code_by_value = _CODE_BY_VALUE
     for rank, stream in enumerate(streams):
-        rank_comm: list[bool] = []
-        seen_stages: set[int] = set()
+        sends: list[list[tuple[int, int]]] = [[] for _ in range(ranks)]  # by peer: a list index, not a dict
+        recvs: list[list[tuple[int, int]]] = [[] for _ in range(ranks)]
         starts: list[int] = []
         unit_of: list[int] = []
         in_batch = False
@@ -129,30 +127,33 @@ def flatten(
             in_batch = is_comm
             unit_start = starts[-1]
             unit_of.append(len(starts) - 1)
-            rank_comm.append(is_comm)
             for stage, kind, mb in parts:
                 code = code_by_value[kind._value_]  # a str key: hashed in C
                 if mb > top_mb:
                     top_mb = mb
                 key = ((stage * mbs) + mb) * 8 + code
-                seen_stages.add(stage)
                 if key in where:
                     duplicates[key] = duplicates.get(key, 1) + 1
                 else:
                     where[key] = (rank, index)
                 in_range = 0 <= stage <= last
+                if not in_range or placement[stage] != rank:
+                    misplaced.add(rank)
                 if code >= SEND_F:
                     comm_keys.append(key)
-                    peer_stage = stage + 1 if code == SEND_F or code == RECV_B else stage - 1
-                    if in_range and 0 <= peer_stage <= last:
-                        peer = placement[peer_stage]
-                        if code == SEND_F or code == SEND_B:
-                            channel = channels.get((rank, peer)) or channels.setdefault((rank, peer), ([], []))
-                            channel[0].append((index, key))
-                        else:
-                            channel = channels.get((peer, rank)) or channels.setdefault((peer, rank), ([], []))
-                            channel[1].append((index, key))
-                    if code == RECV_F or code == RECV_B:
+                    if code == SEND_F:
+                        if in_range and stage < last:
+                            sends[placement[stage + 1]].append((index, key))
+                    elif code == RECV_F:
+                        if in_range and stage > 0:
+                            recvs[placement[stage - 1]].append((index, key))
+                        continue
+                    elif code == SEND_B:
+                        if in_range and stage > 0:
+                            sends[placement[stage - 1]].append((index, key))
+                    else:
+                        if in_range and stage < last:
+                            recvs[placement[stage + 1]].append((index, key))
                         continue
                 elif stage_sizes is None:
                     live += deltas[code]
@@ -188,16 +189,17 @@ def flatten(
             if live > peak:  # live memory after the whole instruction, as memory_profile counts it
                 peak = live
         starts.append(len(stream))
-        comm.append(rank_comm)
-        stages_on.append(seen_stages)
+        for peer in range(ranks):
+            if sends[peer]:
+                channels.setdefault((rank, peer), ([], []))[0].extend(sends[peer])
+            if recvs[peer]:
+                channels.setdefault((peer, rank), ([], []))[1].extend(recvs[peer])
         all_starts.append(tuple(starts))
         all_unit_of.append(unit_of)
         peaks.append(0.0 if program.forward_only else peak)
-        if seen_stages:
-            top_stage = max(top_stage, max(seen_stages))
     if top_mb >= mbs:  # keys would collide: start again with room for every micro-batch named
         return flatten(program, input_fraction, stage_sizes, top_mb + 1)
     return Flat(
-        program, mbs, top_stage + 1, tuple(comm), where, duplicates, tuple(stages_on), tuple(all_starts),
+        program, mbs, where, duplicates, frozenset(misplaced), tuple(all_starts),
         tuple(all_unit_of), local, comm_keys, channels, tuple(peaks),
     )

@@ -19,8 +19,8 @@ def check_structure(program: Program, flat: Flat | None = None) -> list[str]:
     flat = flat or flatten(program)
     problems: list[str] = []
     placement, stages, mbs = program.stage_to_rank, program.num_stages, program.microbatches
-    for rank, named in enumerate(flat.stages_on):
-        if named <= set(program.stages_of(rank)) and flat.mbs <= mbs:
+    for rank in range(program.ranks):
+        if rank not in flat.misplaced and flat.mbs <= mbs:
             continue
         for index, key in flat.ops[rank]:
             stage, _kind, mb = action = flat.decode(key)
@@ -35,12 +35,30 @@ def check_structure(program: Program, flat: Flat | None = None) -> list[str]:
     for key, n in flat.duplicates.items():
         rank, index = flat.where[key]
         problems.append(f"{flat.decode(key)} appears {n} times (first on rank {rank} at op {index})")
-    problems.extend(_completeness(program, flat))
-    if program.has_comms:
+    if problems or not _complete_at_a_glance(program, flat):
+        problems.extend(_completeness(program, flat))
+    if program.has_comms and (problems or not _comms_at_a_glance(program, flat)):
         problems.extend(_comms(program, flat))
     if len(problems) > _MAX_REPORTED:
         problems = [*problems[:_MAX_REPORTED], f"... and {len(problems) - _MAX_REPORTED} more problems"]
     return problems
+
+
+def _complete_at_a_glance(program: Program, flat: Flat) -> bool:
+    """Set arithmetic over the keys (fast); when it fails, _completeness says what is wrong, pair by pair."""
+    where = flat.where  # every stage and micro-batch is in range and no key repeats (checked before this)
+    pairs = program.num_stages * program.microbatches
+    by_kind: list[set[int]] = [set(), set(), set(), set()]
+    for kind in (F, B, I, W):
+        by_kind[kind] = {k >> 3 for k in where if k & 7 == kind}
+    forwards, fulls, inputs, weights = by_kind
+    if len(forwards) != pairs:
+        return False
+    if program.forward_only:
+        return not (fulls or inputs or weights)
+    if fulls & inputs or len(fulls) + len(inputs) != pairs or weights != inputs:
+        return False
+    return all(where[(pair << 3) + I] < where[(pair << 3) + W] for pair in inputs)
 
 
 def _completeness(program: Program, flat: Flat) -> list[str]:
@@ -77,6 +95,23 @@ def _completeness(program: Program, flat: Flat) -> list[str]:
                     rank, index = where[w]
                     out.append(f"rank {rank} op {index} {name(w)} runs before its {name(i)} (op {where[i][1]})")
     return out
+
+
+def _comms_at_a_glance(program: Program, flat: Flat) -> bool:
+    """Every send meets a receive of its name and vice versa, none stays on its rank, all edges covered (fast)."""
+    step = flat.mbs * 8
+    keys = set(flat.comm_keys)
+    if len(keys) != len(flat.comm_keys) or any(src == dst for src, dst in flat.channels):
+        return False
+    partners = {k + step + 1 if k & 7 == SEND_F else k - step + 1 for k in keys if k & 7 == SEND_F or k & 7 == SEND_B}
+    if len(partners) * 2 != len(keys) or not partners <= keys:
+        return False
+    if program.forward_only and any(k & 7 >= SEND_B for k in keys):
+        return False
+    # each pair is a distinct edge between stages on different ranks; as many as there are such edges: all there
+    placement, last = program.stage_to_rank, program.num_stages - 1
+    boundaries = sum(1 for stage in range(last) if placement[stage] != placement[stage + 1])
+    return len(keys) == 2 * boundaries * program.microbatches * (1 if program.forward_only else 2)
 
 
 def _comms(program: Program, flat: Flat) -> list[str]:

@@ -102,7 +102,7 @@ def grid(program: Program, run: Execution, ranks: list[int]) -> list[str]:
                 if low <= begin + k < top:
                     cells[(begin + k, rank)] = str(stream[index])
     width = max([len(v) for v in cells.values()] + [len(f"rank {r}") for r in ranks])
-    out = ["step  " + "  ".join(f"{'rank ' + str(r):<{width}}" for r in ranks)]
+    out = ["step  " + "  ".join(f"{'rank ' + str(r):<{width}}" for r in ranks).rstrip()]
     for step in range(low, top):
         out.append(f"{step:>4}  " + "  ".join(f"{cells.get((step, r), '.'):<{width}}" for r in ranks).rstrip())
     out.append("(* = the rank is stuck here; . = idle or waiting)")

@@ -101,8 +101,8 @@ class Runner:
         params = [p for stage in mine.values() for p in stage.parameters()]
         optimizer = workload.make_optimizer(work, params) if ctx.training else None
         interpreter.check_program(program)
-        dist.barrier()  # a common time origin for the trace
-        return cls(program, work, rank, sizes, ctx, interpreter.plan(program.streams[rank]), optimizer, params)
+        entries = interpreter.plan(program.streams[rank])
+        return cls(program, work, rank, sizes, ctx, entries, optimizer, params, time_base=_common_time_base(device))
 
     def step(self, batch) -> StepStats:
         """One step: split the batch, clear gradients, run the stream, step the optimizer (all timed)."""
@@ -142,6 +142,15 @@ class Runner:
     def trace_events(self) -> list[tuple]:
         base = self.time_base
         return [(self.rank, step, acts, cat, start - base, dur) for step, acts, cat, start, dur in self.events]
+
+
+def _common_time_base(device: torch.device) -> float:
+    """The trace's time origin in this process's perf_counter terms: the earliest wall-clock time any rank reads
+    here (wall clocks agree across processes and, NTP permitting, across nodes; perf_counter is precise)."""
+    offset = time.time() - time.perf_counter()
+    earliest = torch.tensor([time.time()], dtype=torch.float64, device=device)
+    dist.all_reduce(earliest, op=dist.ReduceOp.MIN)
+    return float(earliest[0]) - offset
 
 
 def _device() -> torch.device:

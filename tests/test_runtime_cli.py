@@ -17,6 +17,7 @@ import torch
 from test_runtime import assert_same_weights, reference
 
 from pipec.cli import main as cli_main
+from pipec.ir import Action, Kind, parse_instruction
 from pipec.runtime.stages import optimal_partition
 
 TESTS = Path(__file__).parent
@@ -52,6 +53,19 @@ def test_cli_writes_report_trace_and_the_trained_weights(tmp_path: Path) -> None
     computed = [e["name"] for e in slices if e["cat"] in ("F", "B", "I", "W")]
     assert len(computed) == 2 * 4 * 4 * 3 and {e["tid"] for e in slices} == {0, 1}
     assert any(e["ph"] == "s" for e in events)  # send -> receive arrows
+    # one time origin for all ranks: no receive completes before its send was posted on the other rank
+    posted = {}
+    for e in slices:
+        for part in e["name"].split():
+            posted[e["args"]["step"], part] = (e["ts"], e["ts"] + e["dur"])
+    pairs = 0
+    for (step, name), (start, _) in posted.items():
+        stage, kind, mb = parse_instruction(name)
+        if kind is Kind.SEND_F or kind is Kind.SEND_B:
+            peer = Action(stage + 1 if kind is Kind.SEND_F else stage - 1, Kind[f"RECV_{kind.value[-1]}"], mb)
+            assert posted[step, str(peer)][1] >= start, (step, name)
+            pairs += 1
+    assert pairs > 0
 
 
 def test_torchrun_launch(tmp_path: Path) -> None:

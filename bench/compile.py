@@ -17,9 +17,10 @@ For every schedule pipec shares with torch, at each (P, M, V), it prints the med
 
 `parse ms` is the parse alone (part of both pipec columns): a fixed cost per compile, which is what dominates
 the smallest sizes. Each cell runs `--repeat` times or until `--budget` seconds are spent on it, whichever
-comes first (at least once), so the largest torch constructions run once and small ones many times. `ops`
-counts compute actions (F, B, I, W; an overlapped pair counts as two); `us/op` is pipec's time per op, flat
-when growth is linear. On a shared machine, rerun a row (`--sizes`, `--schedules`) before trusting an outlier.
+comes first (pipec at least 3 times, torch at least once), so the largest torch constructions run once and
+small ones many times. `ops` counts compute actions (F, B, I, W; an overlapped pair counts as two); `us/op` is
+pipec's time per op, flat when growth is linear. On a shared machine, rerun a row (`--sizes`, `--schedules`)
+before trusting an outlier.
 Never used by the tests; timing belongs here, not in assertions.
 """
 
@@ -65,8 +66,8 @@ class Row(NamedTuple):
     note: str = ""
 
 
-def measure(fn: Callable[[], object], repeat: int, budget: float) -> Timing:
-    """Median of up to `repeat` runs, stopping early once `budget` seconds are spent (at least one run)."""
+def measure(fn: Callable[[], object], repeat: int, budget: float, at_least: int = 1) -> Timing:
+    """Median of up to `repeat` runs, stopping early once `budget` seconds are spent (`at_least` runs)."""
     times: list[float] = []
     start = time.perf_counter()
     while True:
@@ -75,7 +76,7 @@ def measure(fn: Callable[[], object], repeat: int, budget: float) -> Timing:
         result = fn()
         times.append(time.perf_counter() - t0)
         del result  # free a large schedule before the next run allocates another
-        if len(times) >= repeat or time.perf_counter() - start >= budget:
+        if len(times) >= repeat or (len(times) >= at_least and time.perf_counter() - start >= budget):
             return Timing(statistics.median(times), len(times))
 
 
@@ -113,9 +114,11 @@ def bench_one(name: str, size: tuple[int, int, int], args: argparse.Namespace) -
         ops = count_ops(pipec.compile(name, ranks, microbatches, chunks))
     except PipecError as e:
         return row._replace(note=f"pipec refuses: {e.message}")
-    timing = measure(lambda: pipec_compile(name, ranks, microbatches, chunks), args.repeat, args.budget)
-    orders = measure(lambda: pipec_orders(name, ranks, microbatches, chunks), args.repeat, args.budget)
-    parse = measure(lambda: parse_schedule(name), args.repeat, args.budget)
+    # pipec's cells always get a real median (at least 3 runs); torch's largest take a minute, so may run once
+    least = min(3, args.repeat)
+    timing = measure(lambda: pipec_compile(name, ranks, microbatches, chunks), args.repeat, args.budget, least)
+    orders = measure(lambda: pipec_orders(name, ranks, microbatches, chunks), args.repeat, args.budget, least)
+    parse = measure(lambda: parse_schedule(name), args.repeat, args.budget, least)
     row = row._replace(ops=ops, pipec=timing, orders=orders, parse=parse)
     if args.no_torch:
         return row

@@ -108,3 +108,19 @@ def test_expect_bubble_is_checked_against_the_simulator(tmp_path: Path) -> None:
 def test_pipec_test_refuses_fixed_parameters(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["test", "1f1b", "--ranks", "4"]) == 2
     assert "draws P, M, V itself" in capsys.readouterr().err
+
+
+def test_the_documented_example_property_test_passes() -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(root / "examples" / "testing")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 passed" in result.stdout

@@ -11,7 +11,7 @@ import pytest
 
 import pipec
 from pipec.cli import main
-from pipec.errors import PipecInputError, ScheduleError
+from pipec.errors import PipecError, PipecInputError, ScheduleError
 from pipec.ir import Action, Kind, Program, parse_instruction
 from pipec.sim import Costs, parse_costs, simulate
 from pipec.verify.memory import peak_activations
@@ -23,47 +23,80 @@ def close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
 
 
-# ---- closed forms (the ideal model: the schedule's compute order with asynchronous messages) -----------------
+# ---- closed forms ---------------------------------------------------------------------------------------------
+# Each closed form runs under the ideal model (the schedule's compute order with asynchronous messages) and under
+# the default nccl model (version 2 of the p2p rule) on the compiled streams. Under nccl only GPipe (and P <= 2)
+# reaches the closed form today: insert_p2p_ops (pipec/passes/p2p.py) batches a receive needed soon with one needed
+# later, e.g. 1F1B at P=4, M=8 puts [2SEND_F2 2RECV_B1 2RECV_F3] before 2B1, so 2B1 waits for 2RECV_F3 (rank 2,
+# from 9 to 11), and in the interleaved schedules a batch holding a late receive holds up the rank's next sends on
+# its NCCL stream (rule 4). Those cases are expected failures until the placement changes (docs/simulator.md).
+
+PLACEMENT_GAP = pytest.mark.xfail(strict=False, reason="insert_p2p_ops batches late receives (docs/simulator.md)")
 
 
+@pytest.fixture
+def gap(request):
+    """Mark the running test an expected failure under nccl from P = 3 on (see above)."""
+
+    def mark(p2p: str, P: int) -> None:
+        if p2p == "nccl" and P >= 3:
+            request.applymarker(PLACEMENT_GAP)
+
+    return mark
+
+
+MODELS = ["ideal", "nccl"]
+
+
+def _load(name: str, P: int, M: int, V: int, p2p: str):
+    return pipec.load(name, P, M, V) if p2p == "ideal" else pipec.compile(name, P, M, V)
+
+
+@pytest.mark.parametrize("p2p", MODELS)
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("P", [1, 2, 3, 4, 6, 8])
 @pytest.mark.parametrize("M_of_P", [0.5, 1, 2, 3.5])
-def test_gpipe_and_1f1b_bubble(name, P, M_of_P):
+def test_gpipe_and_1f1b_bubble(name, P, M_of_P, p2p, gap):
     M = max(1, int(M_of_P * P))
+    if name == "1f1b":
+        gap(p2p, P)
     costs = parse_costs("F=1.5,B=2.5,W=1")
-    result = simulate(pipec.load(name, P, M), costs, p2p="ideal")
+    result = simulate(_load(name, P, M, 1, p2p), costs, p2p=p2p)
     assert close(result.bubble_fraction, (P - 1) / (M + P - 1))
     assert close(result.makespan, (M + P - 1) * (1.5 + 2.5))
     assert close(result.efficiency, M / (M + P - 1))
     assert all(close(i, (P - 1) * 4.0) for i in result.idle)  # every rank idles (P-1)(F+B)
 
 
+@pytest.mark.parametrize("p2p", MODELS)
 @pytest.mark.parametrize("P", [2, 3, 4, 8])
 @pytest.mark.parametrize("V", [2, 3, 4])
 @pytest.mark.parametrize("rounds", [1, 2, 3])
-def test_interleaved_1f1b_bubble_per_megatron(P, V, rounds):
+def test_interleaved_1f1b_bubble_per_megatron(P, V, rounds, p2p, gap):
+    gap(p2p, P)
     # Megatron (Narayanan et al. 2021, sec. 2.2.2): bubble time (P-1)(tf+tb)/V against ideal M(tf+tb), so the
     # fraction of the makespan is (P-1)/(V*M + P-1); exact at the default grouping (M a multiple of P).
     M = rounds * P
-    result = simulate(pipec.load("interleaved_1f1b", P, M, V), parse_costs("F=1,B=2"), p2p="ideal")
+    result = simulate(_load("interleaved_1f1b", P, M, V, p2p), parse_costs("F=1,B=2"), p2p=p2p)
     assert close(result.bubble_fraction, (P - 1) / (V * M + P - 1))
 
 
 ZB_COSTS = ["F=1,I=1,W=1", "F=2,I=2,W=1", "F=1,I=2,W=1", "F=1.5,I=1,W=0.5"]
 
 
+@pytest.mark.parametrize("p2p", MODELS)
 @pytest.mark.parametrize("P", [2, 3, 4, 6])
 @pytest.mark.parametrize("costs", ZB_COSTS)
-def test_zero_bubble_table(P, costs):
+def test_zero_bubble_table(P, costs, p2p, gap):
     """Qi et al. 2024, Table 2: bubble size (P-1)(F+B+W) for 1F1B, (P-1)(F+B-W) for ZB-H1, (P-1)(F+B-2W) for ZB-H2
     (their B is our I), peak memory P, P and 2P-1 micro-batches. Their bubble is the idle time of the worst rank
     between its first and last op (steps overlap under their post-validation), here `span_idle`."""
+    gap(p2p, P)
     c = parse_costs(costs)
     for M in (2 * P, 3 * P + 1):
-        one = simulate(pipec.load("1f1b", P, M), c, p2p="ideal")
-        h1 = simulate(pipec.load("zb_h1", P, M), c, p2p="ideal")
-        h2 = simulate(pipec.load("zb_h2", P, M), c, p2p="ideal")
+        one = simulate(_load("1f1b", P, M, 1, p2p), c, p2p=p2p)
+        h1 = simulate(_load("zb_h1", P, M, 1, p2p), c, p2p=p2p)
+        h2 = simulate(_load("zb_h2", P, M, 1, p2p), c, p2p=p2p)
         assert close(max(one.span_idle), (P - 1) * (c.F + c.I + c.W))
         assert close(max(h1.span_idle), (P - 1) * (c.F + c.I - c.W))
         assert close(max(h2.span_idle), (P - 1) * (c.F + c.I - 2 * c.W))
@@ -71,27 +104,39 @@ def test_zero_bubble_table(P, costs):
         assert max(h2.peak_memory) == 2 * P - 1 and max(h1.peak_memory) == P
 
 
+@pytest.mark.parametrize("p2p", MODELS)
 @pytest.mark.parametrize("P", [2, 3, 4, 6])
-def test_zb_h1_is_a_third_of_1f1b(P):
+def test_zb_h1_is_a_third_of_1f1b(P, p2p, gap):
+    gap(p2p, P)
     M = 3 * P
-    one = simulate(pipec.load("1f1b", P, M), UNIT, p2p="ideal")
-    h1 = simulate(pipec.load("zb_h1", P, M), UNIT, p2p="ideal")
+    one = simulate(_load("1f1b", P, M, 1, p2p), UNIT, p2p=p2p)
+    h1 = simulate(_load("zb_h1", P, M, 1, p2p), UNIT, p2p=p2p)
     assert close(h1.idle[0], one.idle[0] / 3)  # (P-1) against 3(P-1)
     assert close(h1.bubble_fraction, (P - 1) / (3 * M + P - 1))
 
 
+@pytest.mark.parametrize("p2p", MODELS)
 @pytest.mark.parametrize("P", [2, 3, 4, 6])
 @pytest.mark.parametrize("extra", [0, 1, "P"])
-def test_zbv_near_zero_bubble(P, extra):
+def test_zbv_near_zero_bubble(P, extra, p2p, gap):
+    gap(p2p, P)
     M = 2 * P + (P if extra == "P" else extra)
-    result = simulate(pipec.load("zbv", P, M, 2), UNIT, p2p="ideal")
+    result = simulate(_load("zbv", P, M, 2, p2p), UNIT, p2p=p2p)
     assert all(close(i, 0.0) for i in result.span_idle)  # no rank ever waits between its first and last op
     # what is left is the start-up skew: rank r starts r forwards late, P-1 units in all, against 2*3*M busy
     assert close(result.bubble_fraction, (P - 1) / (6 * M + P - 1))
     assert max(result.peak_memory) <= 2 * P  # 1F1B's memory (P micro-batches of a 2-chunk rank)
 
 
-# ---- the nccl rule, by hand -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(("name", "V"), [("gpipe", 1), ("forward_only", 1)])
+@pytest.mark.parametrize(("P", "M"), [(2, 3), (4, 8), (8, 16)])
+def test_nccl_reaches_the_compute_order_where_batches_hold_no_late_receive(name, V, P, M):
+    c = parse_costs("F=1.2,B=2.7,W=1")
+    program = pipec.compile(name, P, M, V)
+    assert close(simulate(program, c).makespan, simulate(program, c, p2p="ideal").makespan)
+
+
+# ---- the nccl rule (version 2), by hand ------------------------------------------------------------------------
 
 
 def _program(rows: list[str], P: int = 2, M: int = 2) -> Program:
@@ -106,17 +151,19 @@ HAND = [
 
 
 @pytest.mark.parametrize(
-    ("costs", "makespan", "finish", "batch"),
+    ("costs", "makespan", "finish", "batch", "waited"),
     [
-        # free messages: [0SEND_F1 0RECV_B0] is one batch, released when rank 1 posts [1SEND_B0 1RECV_F1] at 4
-        ("F=1,B=2", 9.0, (9.0, 7.0), (2.0, 4.0)),
-        # 0.5 per message, sender held for the transfer: both batches end at 4.5 + 0.5
-        ("F=1,B=2,comm=0.5", 10.5, (10.5, 8.5), (2.5, 5.0)),
-        # overlap: a send is released when the transfer starts; rank 0 runs 0F1 from 1, not 1.5
-        ("F=1,B=2,comm=0.5,overlap=1", 10.5, (10.5, 8.0), (2.0, 5.0)),
+        # free messages: rank 0 posts [0SEND_F1 0RECV_B0] at 2 and it runs at once (its [0SEND_F0] completed at
+        # 1); both of its messages complete when rank 1 posts [1SEND_B0 1RECV_F1] at 4; 0B0 waits for it
+        ("F=1,B=2", 9.0, (9.0, 7.0), (2.0, 4.0), (3.0, 1.0)),
+        # 0.5 per message, 0.5 of sender time per send posted: 0F1 runs 1.5-2.5; the pair completes at 4.5 + 0.5;
+        # 1F1 at 5-6, 1B1 6-8, [1SEND_B1] posted at 8 (rank 1 busy until 8.5), 0B1 from 8.5
+        ("F=1,B=2,comm=0.5", 10.5, (10.5, 8.5), (2.5, 5.0), (3.5, 1.5)),
+        # overlap: posting is free; 0F1 runs 1-2 and the batch starts at 2
+        ("F=1,B=2,comm=0.5,overlap=1", 10.5, (10.5, 8.5), (2.0, 5.0), (4.5, 2.5)),
     ],
 )
-def test_hand_computed_nccl_timeline(costs, makespan, finish, batch):
+def test_hand_computed_nccl_timeline(costs, makespan, finish, batch, waited):
     result = simulate(_program(HAND), parse_costs(costs), record=True)
     assert result.makespan == makespan and result.finish == finish
     rank0 = result.timeline[0]
@@ -124,6 +171,52 @@ def test_hand_computed_nccl_timeline(costs, makespan, finish, batch):
     assert (paired.start, paired.end) == batch
     assert [str(a) for a in paired.instruction] == ["0SEND_F1", "0RECV_B0"]
     assert result.busy == (6.0, 6.0)
+    assert result.comm == waited
+
+
+def test_sends_do_not_block_the_host(tmp_path):
+    """Version 2: rank 0 computes all its forwards back to back although stage 1 (5 per forward) receives late;
+    its sends complete when rank 1 posts each receive (1, 6, 11), each batch starting once the previous one has
+    completed (one NCCL stream), and the step ends when the last one has."""
+    rows = ["0F0 0SEND_F0 0F1 0SEND_F1 0F2 0SEND_F2", "1RECV_F0 1F0 1RECV_F1 1F1 1RECV_F2 1F2"]
+    costs = parse_costs(str(_write(tmp_path, {"F": [1, 5]})))
+    result = simulate(_program(rows, M=3), costs, record=True)
+    compute = [(op.start, op.end) for op in result.timeline[0] if not op.is_comm]
+    assert compute == [(0.0, 1.0), (1.0, 2.0), (2.0, 3.0)]
+    assert [(op.start, op.end) for op in result.timeline[0] if op.is_comm] == [(1.0, 1.0), (2.0, 6.0), (6.0, 11.0)]
+    assert result.finish == (11.0, 16.0) and result.comm == (8.0, 1.0)
+
+
+def test_batches_of_a_rank_run_in_order_and_are_waited_for_whole():
+    """Rank 1 posts [1SEND_F1 1RECV_F2] at 3; its send meets rank 2's receive only at 7 (rank 2 runs 2F0 2-7), so
+    the batch completes at 7 and 1F2 waits for it although 1RECV_F2's data was there at 3. Its next batch
+    [1SEND_F2], posted at 8, meets rank 2's receive posted at 12."""
+    rows = [
+        "0F0 0SEND_F0 0F1 0SEND_F1 0F2 0SEND_F2",
+        "1RECV_F0 1F0 1SEND_F0 1RECV_F1 1F1 1SEND_F1 1RECV_F2 1F2 1SEND_F2",
+        "2RECV_F0 2F0 2RECV_F1 2F1 2RECV_F2 2F2",
+    ]
+    program = Program(
+        "hand", 3, 3, 1, (0, 1, 2), tuple(tuple(map(parse_instruction, r.split())) for r in rows), has_comms=True
+    )
+    result = simulate(program, Costs(F=(1.0, 1.0, 5.0)), record=True)
+    line = [
+        (str(op.instruction) if not op.is_comm else " ".join(map(str, op.instruction)), op.start, op.end)
+        for op in result.timeline[1]
+    ]
+    assert line == [
+        ("1RECV_F0", 0.0, 1.0),
+        ("1F0", 1.0, 2.0),
+        ("1SEND_F0 1RECV_F1", 2.0, 2.0),
+        ("1F1", 2.0, 3.0),
+        ("1SEND_F1 1RECV_F2", 3.0, 7.0),
+        ("1F2", 7.0, 8.0),
+        ("1SEND_F2", 8.0, 12.0),
+    ]
+    assert result.finish == (3.0, 12.0, 17.0) and result.makespan == 17.0
+    # tagged: sends are buffered, so the batch holding 1RECV_F2 completes at 3 and 1F2 runs at once
+    tagged = simulate(program, Costs(F=(1.0, 1.0, 5.0)), p2p="tagged", record=True)
+    assert [(op.start, op.end) for op in tagged.timeline[1] if not op.is_comm] == [(1, 2), (2, 3), (3, 4)]
 
 
 def test_p2p_order_mismatch_is_reported():
@@ -143,35 +236,51 @@ def test_deadlock_is_reported():
         "1RECV_F0 1F0 1B0 1SEND_B0",
     ]
     with pytest.raises(
-        ScheduleError, match=r"(?s)deadlock under the nccl.*rank 0 is stuck at op 1.*0RECV_B0 waits for rank 1"
+        ScheduleError,
+        match=r"(?s)deadlock under the nccl.*rank 0 is stuck at op 2 0B0, waiting for batch \[0RECV_B0\] \(op 1\): "
+        r"0RECV_B0 waits for rank 1's 1st send to rank 0.*rank 1 is stuck at op 1 1F0",
     ):
         simulate(_program(rows, M=1))
     with pytest.raises(ScheduleError, match="deadlock under the tagged"):
         simulate(_program(rows, M=1), p2p="tagged")
 
 
+def test_a_send_nobody_receives_holds_the_end_of_the_step():
+    rows = ["0F0 0SEND_F0 0SEND_F0", "1RECV_F0 1F0"]  # one send too many on the pair
+    with pytest.raises(ScheduleError, match=r"(?s)rank 0 is stuck at the end of the step.*2nd receive from rank 0"):
+        simulate(_program(rows, M=1))
+
+
 def test_compute_before_its_input_is_an_error():
     rows = ["0F0 0B0 0SEND_F0", "1RECV_F0 1F0 1B0"]  # 0B0 runs before the gradient could exist
-    with pytest.raises(ScheduleError, match="0B0 runs before the backward of stage 1"):
+    with pytest.raises(ScheduleError, match="0B0 runs before its input gradient from stage 1 is received"):
         simulate(_program(rows, M=1))
 
 
 # ---- an independent check of every simulated timeline ---------------------------------------------------------
 
 
-def _check_timeline(result, costs: Costs) -> None:
-    """Program order, durations, data dependencies (plus message time across ranks) and the totals."""
+def _check_timeline(result, costs: Costs, p2p: str = "nccl") -> None:
+    """Program order, durations, data dependencies (plus message time across ranks), the p2p rule's waits (a compute
+    starts after the batch holding its receive has completed; nccl: a rank's batches run one after another and a
+    message completes message_time after the later of its two batches started) and the totals."""
     program = result.program
     durations = costs.per_stage(program.num_stages)
     where = program.stage_to_rank
     end_of: dict[tuple[int, str, int], float] = {}
+    batch_of: dict[tuple[int, Action], object] = {}
     for rank, line in enumerate(result.timeline):
-        clock = 0.0
+        clock = comm_clock = 0.0
         for op in line:
+            if op.is_comm:
+                if p2p == "nccl":
+                    assert op.start >= comm_clock - 1e-9, f"rank {rank} runs two batches at once at {op}"
+                    comm_clock = op.end
+                for action in op.instruction:
+                    batch_of[(rank, action)] = op
+                continue
             assert op.start >= clock - 1e-9, f"rank {rank} runs two things at once at {op}"
             clock = op.end
-            if op.is_comm:
-                continue
             expected = sum(durations[a.kind][a.stage] for a in op.instruction.parts)
             assert close(op.end - op.start, expected)
             for stage, kind, mb in op.instruction.parts:
@@ -195,9 +304,18 @@ def _check_timeline(result, costs: Costs) -> None:
                 for need in needs:
                     delay = hop if where[need[0]] != rank else 0.0
                     assert end_of[need] + delay <= op.start + 1e-9, f"{op.instruction} starts before {need} arrives"
-    assert close(result.makespan, max(op.end for line in result.timeline for op in line))
+                    if p2p != "ideal" and where[need[0]] != rank:  # through a receive: its whole batch first
+                        recv = Action(stage, Kind.RECV_F if kind is Kind.F else Kind.RECV_B, mb)
+                        assert batch_of[(rank, recv)].end <= op.start + 1e-9, f"{op.instruction} before its batch"
+    for m in result.messages:
+        assert close(m.end - m.start, hop)
+        if p2p == "nccl":
+            assert close(m.start, max(batch_of[(m.src, m.send)].start, batch_of[(m.dst, m.recv)].start))
+    ends = [op.end for line in result.timeline for op in line]
+    assert close(result.makespan, max(ends))
     for rank, line in enumerate(result.timeline):
         assert close(result.busy[rank], sum(op.end - op.start for op in line if not op.is_comm))
+        assert close(result.finish[rank], max((op.end for op in line), default=0.0))
     assert result.peak_memory == peak_activations(program)
 
 
@@ -223,10 +341,27 @@ def test_library_timelines_are_valid(name, V, costs, p2p):
     for P, M in ((2, 4), (4, 8)):
         program = pipec.compile(name, P, M, V)
         result = simulate(program, c, record=True, p2p=p2p)
-        _check_timeline(result, c)
+        _check_timeline(result, c, p2p)
         ideal = simulate(program, c, p2p="ideal")
         assert result.makespan >= ideal.makespan - 1e-9  # the ideal model is as-soon-as-possible for that order
         assert close(sum(result.busy), sum(ideal.busy))
+
+
+@pytest.mark.parametrize(("name", "V"), LIBRARY)
+def test_library_completes_under_nccl_with_free_messages(name, V):
+    """The verifier proves the library deadlock-free under the nccl rule; the simulation agrees on a small grid,
+    never beats the compute order, and ends every rank's step after its last batch has completed."""
+    for P in (1, 2, 3, 4):
+        for M in sorted({1, P, 2 * P + 1}):
+            try:
+                program = pipec.compile(name, P, M, V)
+            except PipecError:  # parameters the schedule refuses (e.g. M < P for some)
+                continue
+            result = simulate(program)
+            ideal = simulate(program, p2p="ideal")
+            assert result.makespan >= ideal.makespan - 1e-9
+            assert close(sum(result.busy), sum(ideal.busy))
+            assert all(f >= b - 1e-9 for f, b in zip(result.finish, result.busy, strict=True))
 
 
 # ---- costs and the command ------------------------------------------------------------------------------------

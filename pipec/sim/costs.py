@@ -10,9 +10,10 @@ Durations are in arbitrary time units (seconds if you measured seconds). Default
   stage with the loss).
 - ``comm``: fixed time per message; ``latency`` and ``bandwidth`` (bytes per time unit) with ``size`` (bytes of one
   activation or gradient message): a message takes comm + latency + size / bandwidth.
-- ``overlap``: 0 (default) or 1. With 0, a rank is held for the whole transfer of every message in its batch, sends
-  included (the runtime's rule). With 1, a sender is released once its receiver has posted the matching receive
-  (the transfer runs on a communication engine while the sender computes); the receiver still waits for the data.
+- ``overlap``: 0 (default) or 1. Under the p2p rule (version 2) a rank posts a batch without waiting and its
+  transfers run on the communication stream while it computes. With 1 posting takes no rank time; with 0 the
+  sender's rank also spends ``message_time`` per send it posts (the copy competes with compute for the device).
+  Receivers wait for their data either way.
 - An overlapped pair (F & B as one instruction, DualPipe) takes the sum of its halves.
 - Memory (for the peak-activation figures, through ``pipec.verify.memory``): ``activation``, the activations of
   one micro-batch on a stage (a number or, in JSON, one per stage; default 1 unit everywhere) and

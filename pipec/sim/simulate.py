@@ -1,17 +1,22 @@
 """simulate: run compiled instruction streams through an event-driven model with durations.
 
-Execution follows the point-to-point rule shared with the verifier's ``nccl`` model and the runtime:
-- each rank runs its stream in order; a compute instruction starts when the previous one ends and takes its
-  duration from the cost model (an overlapped pair takes the sum of its halves);
-- a maximal run of consecutive SEND/RECV instructions is one *batch*, posted at once when the rank reaches it;
-- messages on one ordered pair of ranks match in issue order (the k-th send from a to b meets the k-th receive
-  on b from a); if they name different (stage, kind, micro-batch) the schedule is invalid (p2p order mismatch);
-- a message's transfer starts once both ends are posted and takes ``costs.message_time``; the batch ends when
-  its last message is done (without overlap, sends included; with ``overlap`` a send is released at the
-  transfer's start). A rank blocked in a batch is idle.
-The simulation is a worklist over ranks (no global event heap is needed because a rank only ever waits for a
-peer to *post*, which fixes every time at once): each rank runs until it posts a batch whose counterparts are not
-all posted yet, and is woken when the last one is. Cost is linear in the number of instructions.
+Execution follows version 2 of the point-to-point rule shared with the verifier's ``nccl`` model and the runtime:
+- each rank (its host) runs its stream in order; a compute instruction takes its duration from the cost model (an
+  overlapped pair takes the sum of its halves);
+- a maximal run of consecutive SEND/RECV instructions is one *batch*, posted when the host reaches it, without
+  waiting (``overlap=0`` charges the sender ``message_time`` per send posted);
+- a compute instruction starts at max(rank free, completion of the batches holding the receives it consumes);
+  sends are never waited for, except at the end of the step, when the rank waits for all its batches;
+- ``nccl``: a rank's batches *run* in posting order (one NCCL stream): a batch starts at max(posted, previous
+  batch of the rank completed). Messages on one ordered pair of ranks match in issue order (the k-th send from a
+  to b meets the k-th receive on b from a; different (stage, kind, micro-batch) is a p2p order mismatch); a
+  matched pair completes at max(start of both batches) + ``message_time``, a batch when all its ops have;
+- ``tagged``: every batch runs once posted, sends complete at once, a receive meets the send of its message in
+  any order (completing at max(both posted) + ``message_time``).
+The simulation is a worklist over ranks (no global event heap: every time is fixed as soon as the batches it
+depends on have started): a rank's host runs until a compute needs a batch that has not completed, and its batches
+start as soon as they are posted and their predecessor has completed; a completion wakes the rank. Each
+instruction is handled a bounded number of times, so the cost is linear in the number of instructions.
 
 Peak activation memory comes from the one liveness function, ``pipec.verify.memory.peak_activations``.
 """
@@ -62,7 +67,7 @@ class SimResult:
     costs: Costs
     makespan: float
     busy: tuple[float, ...]  # compute time per rank
-    comm: tuple[float, ...]  # time per rank spent inside p2p batches (waiting or transferring)
+    comm: tuple[float, ...]  # time per rank waiting for its receives (rule 2) and, at the end, for its batches
     finish: tuple[float, ...]  # when each rank's last instruction ends
     start: tuple[float, ...]  # when each rank's first compute starts
     peak_memory: tuple[float, ...]
@@ -75,7 +80,7 @@ class SimResult:
 
     @property
     def idle(self) -> tuple[float, ...]:
-        """Time each rank does no compute within the step (waiting in p2p batches included)."""
+        """Time each rank does no compute within the step (waiting for p2p batches included)."""
         return tuple(self.makespan - b for b in self.busy)
 
     @property
@@ -173,238 +178,276 @@ def _simulate(program: Program, costs: Costs, record: bool, input_fraction: floa
     durations = costs.per_stage(S)
     d_f, d_b, d_i, d_w = (durations[k] for k in (Kind.F, Kind.B, Kind.I, Kind.W))
     message_time = costs.message_time
-    send_release = 0.0 if costs.overlap else message_time
+    # without overlap the sender's rank pushes each message itself: posting a batch holds it message_time per send
+    post_cost = 0.0 if costs.overlap else message_time
     streams = program.streams
     # Enum members hash through Python code, so the hot loop compares kinds by identity only.
-    k_f, k_b, k_i, k_w = Kind.F, Kind.B, Kind.I, Kind.W
+    k_f, k_i, k_w = Kind.F, Kind.I, Kind.W
     k_sf, k_rf, k_sb, k_rb = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
 
     # Completion times for the data dependencies, flat arrays indexed stage * n_mb + mb (-1: not done yet).
     n_mb = program.microbatches
     forward_done = [-1.0] * (S * n_mb)
     grad_done = [-1.0] * (S * n_mb)  # B or I: the input gradient exists
+    # A message is an int: (sending stage * n_mb + mb) * 2 + (0 forward, 1 backward). recv_batch[message]: the
+    # batch (global id) holding its receive on the consuming rank, -1 until posted.
+    recv_batch = [-1] * (S * n_mb * 2)
 
-    # A message is an int: (sending stage * n_mb + mb) * 2 + (0 forward, 1 backward).
-    # nccl: per ordered pair (src * P + dst), the posted sends and receives in issue order.
-    # tagged: per message, the posted send or the receive waiting for it.
-    # An entry: [post_time, message, rank, position]. A rank has at most one posted batch, so the batch's
-    # bookkeeping is per rank: how many of its ops still wait for a counterpart, and when it may end so far.
+    # Batches, global ids in posting order: the rank, the stream slice, when posted, when it started running
+    # (-1: not yet), when its last completed op completed, and how many of its ops still wait for a counterpart.
+    b_rank: list[int] = []
+    b_lo: list[int] = []
+    b_hi: list[int] = []
+    b_post: list[float] = []
+    b_start: list[float] = []
+    b_done: list[float] = []
+    b_missing: list[int] = []
+    # per rank: its batches in order, the first one not yet completed (its NCCL stream's head), and when the
+    # previous one completed
+    batches: list[list[int]] = [[] for _ in range(P)]
+    head = [0] * P
+    stream_free = [0.0] * P
+    # nccl: per ordered pair (src * P + dst), the running sends and receives in issue order; tagged: per message.
+    # An entry: (start time of its batch, message, rank, stream position, batch).
     sends: list[list] = [[] for _ in range(P * P)]
     recvs: list[list] = [[] for _ in range(P * P)]
-    tagged_sends: dict[int, list] = {}
-    tagged_recvs: dict[int, list] = {}
-    missing = [0] * P
-    release_at = [0.0] * P
+    tagged_sends: dict[int, tuple] = {}
+    tagged_recvs: dict[int, tuple] = {}
     # the ordered pair of ranks of the message stage s sends forward (to s+1) or backward (to s-1); -1: none.
     # Indexed with stage + 1 for RECV_B and stage - 1 for RECV_F; index -1 and S hit the sentinel -1 entries.
     fwd_pair = [where[s] * P + where[s + 1] for s in range(S - 1)] + [-1, -1]
     bwd_pair = [-1] + [where[s] * P + where[s - 1] for s in range(1, S)] + [-1]
 
-    time = [0.0] * P
+    time = [0.0] * P  # the host: when its next instruction may start
     position = [0] * P
     busy = [0.0] * P
-    comm = [0.0] * P
-    # when each rank's first compute starts: 0 unless it opens with a send/recv batch
-    first = [0.0 if s and not (type(s[0]) is Action and s[0].kind.is_comm) else -1.0 for s in streams]
-    posted = [False] * P  # is the batch at position[r] posted?
-    batch_end_pos = [0] * P
+    waited = [0.0] * P  # time the host waits for receives (rule 2) and, at the end, for its outstanding batches
+    finish = [0.0] * P
+    done = [False] * P
+    first = [-1.0] * P
     timeline: list[list[TimedOp]] = [[] for _ in range(P)]
     messages: list[Message] = []
     ready = deque(range(P))
-    active = [True] * P  # queued or running: a release need not wake it
 
     def matched(send_entry: tuple, recv_entry: tuple) -> None:
-        """Both ends of one message are posted: fix its times and tell both batches."""
+        """Both ends of one message are running (nccl) or posted (tagged): fix its times and tell both batches."""
         if send_entry[1] != recv_entry[1]:
             raise ScheduleError(_mismatch(program, send_entry, recv_entry))
-        if tagged:  # the data left when the send was posted; the sender did not wait
-            end = max(recv_entry[0], send_entry[0] + message_time)
-            start = end - message_time
-            ends = ((recv_entry[2], end),)
-        else:
-            start = max(send_entry[0], recv_entry[0])
-            end = start + message_time
-            ends = ((send_entry[2], start + send_release), (recv_entry[2], end))
-        for who, when in ends:
-            if release_at[who] < when:
-                release_at[who] = when
-            missing[who] -= 1
-            if missing[who] == 0 and not active[who]:
-                active[who] = True
-                ready.append(who)
+        start = send_entry[0] if send_entry[0] > recv_entry[0] else recv_entry[0]
+        end = start + message_time
+        # tagged: the send was buffered and completed when posted (its batch was told then)
+        for entry in (recv_entry,) if tagged else (send_entry, recv_entry):
+            b = entry[4]
+            if b_done[b] < end:
+                b_done[b] = end
+            b_missing[b] -= 1
+            if b_missing[b] == 0:
+                ready.append(b_rank[b])
         if record:
             s_rank, r_rank = send_entry[2], recv_entry[2]
             send, recv = streams[s_rank][send_entry[3]], streams[r_rank][recv_entry[3]]
             messages.append(Message(send, recv, s_rank, r_rank, start, end))
 
-    def post_tagged(entry: tuple, is_send: bool) -> None:
-        message = entry[1]
-        if is_send:
-            if message in tagged_sends:
-                rank, i = entry[2], entry[3]
-                raise ScheduleError(f"rank {rank}: op {i} {streams[rank][i]} sends a message a second time")
-            tagged_sends[message] = entry
-            waiting = tagged_recvs.pop(message, None)
-            if waiting is not None:
-                matched(entry, waiting)
-            return
-        missing[entry[2]] += 1
-        if message in tagged_sends:
-            matched(tagged_sends[message], entry)
-        else:
-            tagged_recvs[message] = entry
+    def run_batch(b: int, start: float) -> None:
+        """Batch ``b`` starts running at ``start``: match each of its ops with its counterpart if that runs."""
+        b_start[b] = start
+        b_done[b] = start
+        rank = b_rank[b]
+        stream = streams[rank]
+        for pos in range(b_lo[b], b_hi[b]):
+            stage, kind, mb = stream[pos]
+            # pair tables: ordered pair of ranks (src * P + dst) per stage, -1 where none exists
+            if kind is k_sf:
+                is_send, pair, message = True, fwd_pair[stage], (stage * n_mb + mb) * 2
+            elif kind is k_rf:
+                is_send, pair, message = False, fwd_pair[stage - 1], ((stage - 1) * n_mb + mb) * 2
+            elif kind is k_sb:
+                is_send, pair, message = True, bwd_pair[stage], (stage * n_mb + mb) * 2 + 1
+            else:
+                is_send, pair, message = False, bwd_pair[stage + 1], ((stage + 1) * n_mb + mb) * 2 + 1
+            entry = (start, message, rank, pos, b)
+            if tagged:
+                if is_send:
+                    if message in tagged_sends:
+                        raise ScheduleError(f"rank {rank}: op {pos} {stream[pos]} sends a message a second time")
+                    tagged_sends[message] = entry
+                    b_missing[b] -= 1  # buffered: complete when posted
+                    waiting = tagged_recvs.pop(message, None)
+                    if waiting is not None:
+                        matched(entry, waiting)
+                elif message in tagged_sends:
+                    matched(tagged_sends[message], entry)
+                else:
+                    tagged_recvs[message] = entry
+                continue
+            if is_send:
+                mine, theirs = sends[pair], recvs[pair]
+            else:
+                mine, theirs = recvs[pair], sends[pair]
+            k = len(mine)
+            mine.append(entry)
+            if k < len(theirs):
+                matched(entry, theirs[k]) if is_send else matched(theirs[k], entry)
+
+    def advance(rank: int) -> None:
+        """Run the rank's posted batches in order (rule 4; tagged: each at once) as far as completions allow."""
+        mine = batches[rank]
+        h = head[rank]
+        while h < len(mine):
+            b = mine[h]
+            if b_start[b] < 0:
+                free = stream_free[rank]
+                run_batch(b, b_post[b] if b_post[b] > free else free)
+            if b_missing[b]:
+                break
+            stream_free[rank] = b_done[b]
+            h += 1
+        head[rank] = h
 
     while ready:
         rank = ready.popleft()
+        if done[rank]:
+            continue
+        advance(rank)
         stream = streams[rank]
         n = len(stream)
         pos = position[rank]
         t = time[rank]
         line = timeline[rank]
         work = 0.0  # compute time in this run of the rank, added to busy[rank] when it stops
+        blocked = False
         while pos < n:
             instruction = stream[pos]
-            if type(instruction) is Action:
-                stage, kind, mb = instruction
+            if type(instruction) is Action and instruction[1].is_comm:
+                # a batch: posted at once, no waiting (rule 1)
+                end = pos
+                sent = 0
+                while end < n:
+                    action = stream[end]
+                    if type(action) is not Action:
+                        break
+                    stage, kind, mb = action
+                    if kind is k_rf:
+                        pair, message = fwd_pair[stage - 1], ((stage - 1) * n_mb + mb) * 2
+                    elif kind is k_rb:
+                        pair, message = bwd_pair[stage + 1], ((stage + 1) * n_mb + mb) * 2 + 1
+                    elif kind is k_sf:
+                        pair, message = fwd_pair[stage], -1
+                    elif kind is k_sb:
+                        pair, message = bwd_pair[stage], -1
+                    else:
+                        break
+                    if pair < 0 or where[stage] != rank or mb < 0 or mb >= n_mb:
+                        raise ScheduleError(
+                            f"rank {rank}: op {end} {action} names a stage or micro-batch out of range, "
+                            "or a stage this rank does not hold"
+                        )
+                    if message < 0:
+                        sent += 1
+                    else:
+                        recv_batch[message] = len(b_rank)
+                    end += 1
+                b_rank.append(rank)
+                b_lo.append(pos)
+                b_hi.append(end)
+                b_post.append(t)
+                b_start.append(-1.0)
+                b_done.append(-1.0)
+                b_missing.append(end - pos)
+                batches[rank].append(len(b_rank) - 1)
+                if tagged:  # no FIFO: every batch runs once posted
+                    run_batch(len(b_rank) - 1, t)
+                t += sent * post_cost
+                pos = end
+                advance(rank)
+                continue
+            # compute: wait for the batches holding the receives it consumes (rule 2), then run
+            start = t
+            for stage, kind, mb in instruction.parts:
+                if kind is k_f:
+                    message = ((stage - 1) * n_mb + mb) * 2 if stage > 0 and where[stage - 1] != rank else -1
+                elif kind is k_w:
+                    message = -1
+                elif kind.is_comm:
+                    raise ScheduleError(f"rank {rank}: op {pos} {instruction} pairs a send/recv with compute")
+                else:
+                    message = ((stage + 1) * n_mb + mb) * 2 + 1 if stage < S - 1 and where[stage + 1] != rank else -1
+                if message >= 0:
+                    b = recv_batch[message]
+                    if b < 0 or b_rank[b] != rank:
+                        what = f"activation from stage {stage - 1}" if kind is k_f else "gradient"
+                        what = what if kind is k_f else f"gradient from stage {stage + 1}"
+                        raise ScheduleError(
+                            f"rank {rank}: op {pos} {instruction} runs before its input {what} is received "
+                            "(no receive for it is posted before it)"
+                        )
+                    if b_start[b] < 0 or b_missing[b]:
+                        blocked = True
+                        break
+                    if b_done[b] > start:
+                        start = b_done[b]
+            if blocked:
+                break
+            end_time = start
+            for stage, kind, mb in instruction.parts:
                 index = stage * n_mb + mb
-                if (mb < 0 or mb >= n_mb) and kind.is_compute:
+                if mb < 0 or mb >= n_mb:
                     raise ScheduleError(f"rank {rank}: op {pos} {instruction} names a micro-batch out of range")
                 if kind is k_f:
-                    if stage > 0 and not 0 <= forward_done[index - n_mb] <= t:
+                    if stage > 0 and not 0 <= forward_done[index - n_mb] <= start:
                         _early(instruction, rank, pos, f"the forward of stage {stage - 1}")
-                    end_time = t + d_f[stage]
-                    forward_done[index] = end_time
-                elif kind is k_i or kind is k_b:
-                    if not 0 <= forward_done[index] <= t:
-                        _early(instruction, rank, pos, f"its forward {Action(stage, Kind.F, mb)}")
-                    if stage < S - 1 and not 0 <= grad_done[index + n_mb] <= t:
-                        _early(instruction, rank, pos, f"the backward of stage {stage + 1}")
-                    end_time = t + (d_i[stage] if kind is k_i else d_b[stage])
-                    grad_done[index] = end_time
-                elif kind is k_w:
-                    if not 0 <= grad_done[index] <= t:
-                        _early(instruction, rank, pos, f"the input-gradient backward (I) of stage {stage}")
-                    end_time = t + d_w[stage]
-                else:  # a send/recv: the start of a batch
-                    if not posted[rank]:
-                        posted[rank] = True
-                        release_at[rank] = t
-                        end = pos
-                        while end < n:
-                            action = stream[end]
-                            if type(action) is not Action:
-                                break
-                            stage, kind, mb = action
-                            # pair tables: ordered pair of ranks (src * P + dst) per stage, -1 where none exists
-                            if kind is k_sf:
-                                is_send, pair, message = True, fwd_pair[stage], (stage * n_mb + mb) * 2
-                            elif kind is k_rf:
-                                is_send, pair, message = False, fwd_pair[stage - 1], ((stage - 1) * n_mb + mb) * 2
-                            elif kind is k_sb:
-                                is_send, pair, message = True, bwd_pair[stage], (stage * n_mb + mb) * 2 + 1
-                            elif kind is k_rb:
-                                is_send, pair, message = False, bwd_pair[stage + 1], ((stage + 1) * n_mb + mb) * 2 + 1
-                            else:
-                                break
-                            if pair < 0 or where[stage] != rank or mb < 0 or mb >= n_mb:
-                                raise ScheduleError(
-                                    f"rank {rank}: op {end} {action} names a stage or micro-batch out of range, "
-                                    "or a stage this rank does not hold"
-                                )
-                            entry = (t, message, rank, end)
-                            end += 1
-                            if tagged:
-                                post_tagged(entry, is_send)
-                                continue
-                            missing[rank] += 1
-                            if is_send:
-                                mine, theirs = sends[pair], recvs[pair]
-                            else:
-                                mine, theirs = recvs[pair], sends[pair]
-                            k = len(mine)
-                            mine.append(entry)
-                            if k < len(theirs):
-                                other = theirs[k]
-                                if record or other[1] != message:
-                                    matched(entry, other) if is_send else matched(other, entry)
-                                else:  # matched(), inlined: the hot path of the nccl model
-                                    start = t if t > other[0] else other[0]
-                                    mine_end = start + (send_release if is_send else message_time)
-                                    peer = other[2]
-                                    if release_at[rank] < mine_end:
-                                        release_at[rank] = mine_end
-                                    missing[rank] -= 1
-                                    peer_end = start + (message_time if is_send else send_release)
-                                    if release_at[peer] < peer_end:
-                                        release_at[peer] = peer_end
-                                    missing[peer] -= 1
-                                    if missing[peer] == 0 and not active[peer]:
-                                        active[peer] = True
-                                        ready.append(peer)
-                        batch_end_pos[rank] = end
-                    if missing[rank]:
-                        active[rank] = False
-                        break  # blocked: woken when the last counterpart is posted
-                    end_time = release_at[rank]
-                    posted[rank] = False
-                    comm[rank] += end_time - t
-                    if first[rank] < 0:  # a rank that starts by receiving starts computing after that batch
-                        first[rank] = end_time
-                    if record:
-                        line.append(TimedOp(rank, t, end_time, tuple(stream[pos : batch_end_pos[rank]])))
-                    t = end_time
-                    pos = batch_end_pos[rank]
-                    continue
-                if record:
-                    line.append(TimedOp(rank, t, end_time, instruction))
-                work += end_time - t
-                t = end_time
-                pos += 1
-                continue
-            # an overlapped pair: both halves back to back, as one instruction
-            end_time = t
-            for action in instruction.parts:
-                stage, kind, mb = action
-                if kind.is_comm:
-                    raise ScheduleError(f"rank {rank}: op {pos} {instruction} pairs a send/recv with compute")
-                index = stage * n_mb + mb
-                if kind is k_f:
-                    if stage > 0 and not 0 <= forward_done[index - n_mb] <= t:
-                        _early(action, rank, pos, f"the forward of stage {stage - 1}")
                     end_time += d_f[stage]
+                elif kind is k_w:
+                    if not 0 <= grad_done[index] <= start:
+                        _early(instruction, rank, pos, f"the input-gradient backward (I) of stage {stage}")
+                    end_time += d_w[stage]
                 else:
-                    if kind is not k_w and not 0 <= forward_done[index] <= t:
-                        _early(action, rank, pos, f"its forward {Action(stage, Kind.F, mb)}")
-                    if kind is not k_w and stage < S - 1 and not 0 <= grad_done[index + n_mb] <= t:
-                        _early(action, rank, pos, f"the backward of stage {stage + 1}")
-                    end_time += durations[kind][stage]
+                    if not 0 <= forward_done[index] <= start:
+                        _early(instruction, rank, pos, f"its forward {Action(stage, Kind.F, mb)}")
+                    if stage < S - 1 and not 0 <= grad_done[index + n_mb] <= start:
+                        _early(instruction, rank, pos, f"the backward of stage {stage + 1}")
+                    end_time += d_i[stage] if kind is k_i else d_b[stage]
             for stage, kind, mb in instruction.parts:
                 if kind is k_f:
                     forward_done[stage * n_mb + mb] = end_time
                 elif kind is not k_w:
                     grad_done[stage * n_mb + mb] = end_time
+            if first[rank] < 0:
+                first[rank] = start
             if record:
-                line.append(TimedOp(rank, t, end_time, instruction))
-            work += end_time - t
+                line.append(TimedOp(rank, start, end_time, instruction))
+            waited[rank] += start - t
+            work += end_time - start
             t = end_time
             pos += 1
         position[rank] = pos
         time[rank] = t
         busy[rank] += work
+        if pos == n and head[rank] == len(batches[rank]):  # end of step: every batch has completed
+            done[rank] = True
+            end_time = stream_free[rank] if stream_free[rank] > t else t
+            waited[rank] += end_time - t
+            finish[rank] = end_time
 
-    stuck = [r for r in range(P) if position[r] < len(streams[r])]
+    stuck = [r for r in range(P) if not done[r]]
     if stuck:
         if tagged:
             raise ScheduleError(f"deadlock under the tagged p2p model: rank(s) {stuck} cannot finish")
-        raise ScheduleError(_deadlock_message(program, stuck, position, sends, recvs))
-    makespan = max(time, default=0.0)
+        _check_pair_order(program)
+        state = (position, batches, head, b_lo, b_hi, b_start, sends, recvs)
+        raise ScheduleError(_deadlock_message(program, stuck, *state))
+    if record:
+        for b, rank in enumerate(b_rank):
+            timeline[rank].append(TimedOp(rank, b_start[b], b_done[b], tuple(streams[rank][b_lo[b] : b_hi[b]])))
+        for line in timeline:
+            line.sort(key=lambda op: (op.start, not op.is_comm))
     return SimResult(
         program=program,
         costs=costs,
-        makespan=makespan,
+        makespan=max(finish, default=0.0),
         busy=tuple(busy),
-        comm=tuple(comm),
-        finish=tuple(time),
+        comm=tuple(waited),
+        finish=tuple(finish),
         start=tuple(max(f, 0.0) for f in first),
         peak_memory=_peaks(program, costs, input_fraction),
         timeline=tuple(tuple(t) for t in timeline) if record else (),
@@ -557,28 +600,56 @@ def _early(action: Action, rank: int, pos: int, what: str) -> None:
     raise ScheduleError(f"rank {rank}: op {pos} {action} runs before {what} has finished")
 
 
-def _deadlock_message(program: Program, stuck: list[int], position: list[int], sends, recvs) -> str:
-    P = program.ranks  # noqa: N806
+def _check_pair_order(program: Program) -> None:
+    """Raise the p2p order mismatch, if any, that a deadlock kept the simulation from reaching: the k-th send from
+    src to dst against the k-th receive on dst from src, over the whole streams."""
+    P, where = program.ranks, program.stage_to_rank  # noqa: N806
+    sent: dict[int, list] = {}
+    received: dict[int, list] = {}
+    for rank, stream in enumerate(program.streams):
+        for pos, action in enumerate(stream):
+            if type(action) is not Action or not action.kind.is_comm:
+                continue
+            stage, kind, mb = action
+            step = 1 if kind in (Kind.SEND_F, Kind.RECV_B) else -1
+            peer = where[stage + step]
+            if kind in _SEND:
+                message = (stage * program.microbatches + mb) * 2 + (kind is Kind.SEND_B)
+                sent.setdefault(rank * P + peer, []).append((0.0, message, rank, pos, -1))
+            else:
+                message = ((stage + step) * program.microbatches + mb) * 2 + (kind is Kind.RECV_B)
+                received.setdefault(peer * P + rank, []).append((0.0, message, rank, pos, -1))
+    for pair, entries in sent.items():
+        for send_entry, recv_entry in zip(entries, received.get(pair, ()), strict=False):
+            if send_entry[1] != recv_entry[1]:
+                raise ScheduleError(_mismatch(program, send_entry, recv_entry))
+
+
+def _deadlock_message(program: Program, stuck, position, batches, head, b_lo, b_hi, b_start, sends, recvs) -> str:
+    """Each stuck rank: the instruction its host waits at (or the end of the step), and the batch at the head of its
+    NCCL stream with the ops whose counterparts never run."""
+    P, where = program.ranks, program.stage_to_rank  # noqa: N806
     lines = [f"deadlock under the nccl p2p model: {len(stuck)} rank(s) cannot finish"]
     for rank in stuck:
         stream = program.streams[rank]
-        pos = end = position[rank]
-        while end < len(stream) and isinstance(stream[end], Action) and stream[end].kind.is_comm:
-            end += 1
+        pos = position[rank]
+        at = f"is stuck at op {pos} {stream[pos]}" if pos < len(stream) else "is stuck at the end of the step"
+        b = batches[rank][head[rank]]
+        batch = " ".join(map(str, stream[b_lo[b] : b_hi[b]]))
+        if b_start[b] < 0:  # cannot happen: a posted head batch always runs; kept for a clear message
+            lines.append(f"rank {rank} {at}; its batch [{batch}] (op {b_lo[b]}) never starts")
+            continue
         waiting = []
-        for i in range(pos, end):
-            action = stream[i]
-            stage, kind, _ = action
+        for i in range(b_lo[b], b_hi[b]):
+            stage, kind, _ = action = stream[i]
             if kind in _SEND:
-                peer = program.stage_to_rank[stage + (1 if kind is Kind.SEND_F else -1)]
-                mine, theirs = sends[rank * P + peer], recvs[rank * P + peer]
+                peer = where[stage + (1 if kind is Kind.SEND_F else -1)]
+                mine, theirs, what = sends[rank * P + peer], recvs[rank * P + peer], f"receive from rank {rank}"
             else:
-                peer = program.stage_to_rank[stage + (-1 if kind is Kind.RECV_F else 1)]
-                mine, theirs = recvs[peer * P + rank], sends[peer * P + rank]
+                peer = where[stage + (-1 if kind is Kind.RECV_F else 1)]
+                mine, theirs, what = recvs[peer * P + rank], sends[peer * P + rank], f"send to rank {rank}"
             k = next((j for j, e in enumerate(mine) if e[2] == rank and e[3] == i), None)
             if k is not None and k >= len(theirs):
-                what = "receive" if kind in _SEND else "send"
-                waiting.append(f"{action} waits for rank {peer} to post its {_ordinal(k + 1)} {what}")
-        batch = " ".join(map(str, stream[pos:end]))
-        lines.append(f"rank {rank} is stuck at op {pos}, batch [{batch}]: " + "; ".join(waiting))
+                waiting.append(f"{action} waits for rank {peer}'s {_ordinal(k + 1)} {what} to run")
+        lines.append(f"rank {rank} {at}, waiting for batch [{batch}] (op {b_lo[b]}): " + "; ".join(waiting))
     return "\n".join(lines)

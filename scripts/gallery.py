@@ -4,7 +4,8 @@
 
 Each picture is the schedule's timeline under the `ideal` p2p model (its compute order with asynchronous
 messages: the shape the papers draw). The table also gives the figures of the compiled instruction streams under
-the runtime's `nccl` rule, which is what `pipec simulate` reports by default.
+the runtime's `nccl` rule (version 2), which is what `pipec simulate` reports by default, and a section lists, for
+each schedule slower under nccl, the waits on its critical path (`pipec.sim.waits.critical_waits`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pipec
 from pipec.errors import PipecError
 from pipec.library import bundled_names
 from pipec.sim import DEFAULT_COSTS, simulate
+from pipec.sim.waits import critical_waits
 from pipec.viz.svg import render_svg
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,8 +36,10 @@ of them (add `--p2p ideal` for these; the default is the runtime's nccl rule).
 Columns: *bubble* = idle / (P x makespan); *span idle* = the worst rank's idle time between its first and last op
 (the Zero Bubble paper's bubble size); *peak memory* = activations alive at each rank's peak, in units of one
 stage's activations for one micro-batch (F allocates 1, B frees it, I and W free half each). The *nccl* columns
-simulate the compiled instruction streams (send/recv included) under the runtime's point-to-point rule; see
-[the simulator](simulator.md).
+simulate the compiled instruction streams (send/recv included) under the runtime's point-to-point rule (version
+2: posting never blocks, a compute waits for the batches holding its receives, a rank's batches run in order); see
+[the simulator](simulator.md). Where they differ from the ideal columns, [the section below](#why-nccl-is-slower)
+names the waits on the critical path.
 
 | schedule | P, M, V | makespan | bubble | span idle | peak memory per rank | nccl makespan | nccl bubble |
 |---|---|---|---|---|---|---|---|
@@ -49,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "docs")
     args = parser.parse_args(argv)
     (args.out / "img").mkdir(parents=True, exist_ok=True)
-    rows, pictures = [], []
+    rows, pictures, why = [], [], []
     for name in bundled_names():
         program = None
         for chunks in (2, 1):
@@ -63,8 +67,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         ideal = simulate(program, record=True, p2p="ideal")
         try:
-            nccl = simulate(program)
+            nccl = simulate(program, record=True)
             nccl_cells = f"{nccl.makespan:g} | {nccl.bubble_fraction:.1%}"
+            if nccl.makespan > ideal.makespan + 1e-9:
+                why.append(_why(name, nccl, ideal))
         except PipecError as e:
             nccl_cells = f"fails: {e.message.splitlines()[0][:60]} | -"
         svg = render_svg(ideal)
@@ -78,8 +84,35 @@ def main(argv: list[str] | None = None) -> int:
         pictures.append(f"## {name}\n\n{program.description}\n\n![{name}](img/{name}.svg)\n")
         print(f"{name:<18} {len(svg) / 1024:6.1f} KB  bubble {ideal.bubble_fraction:.1%}")
     text = HEADER.format(P=args.P, M=args.M, costs=DEFAULT_COSTS.describe()) + "\n".join(rows) + "\n\n"
+    text += WHY + "\n".join(why) + "\n\n"
     (args.out / "schedules.md").write_text(text + "\n".join(pictures))
     return 0
+
+
+WHY = """## Why nccl is slower
+
+The compiled streams place send/recv with `insert_p2p_ops` (one global replay order, deadlock-free under the nccl
+rule). Under version 2 of the rule a rank loses time to that placement in two ways: a compute op waits for the
+*whole batch* holding its receive (*batch*: an early receive shares a batch with one that arrives later), and a
+batch cannot start before the rank's previous batch has completed (*fifo*: one NCCL stream). The waits on each
+schedule's critical path (walking back from the op that ends last), the first few of them:
+
+"""
+
+
+def _why(name: str, nccl, ideal, shown: int = 3) -> str:
+    waits = critical_waits(nccl)
+    kinds = ", ".join(
+        f"{sum(w.kind == k for w in waits)} {k}" for k in ("batch", "fifo") if any(w.kind == k for w in waits)
+    )
+    lines = [
+        f"- **{name}**: makespan {nccl.makespan:g} against {ideal.makespan:g}; {len(waits)} waits on the critical "
+        f"path ({kinds}), {sum(w.until - w.time for w in waits):g} time units in all:"
+    ]
+    lines += [f"  - {w.text}" for w in waits[:shown]]
+    if len(waits) > shown:
+        lines.append(f"  - ... ({len(waits) - shown} more)")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pipec.cli import main
 from pipec.errors import PipecError, PipecInputError, ScheduleError
 from pipec.ir import Action, Kind, Program, parse_instruction
 from pipec.sim import Costs, parse_costs, simulate
+from pipec.sim.waits import critical_waits, find_waits
 from pipec.verify.memory import peak_activations
 
 UNIT = parse_costs("F=1,I=1,W=1")  # the Zero Bubble paper's T_F = T_B = T_W (its B is our I)
@@ -362,6 +363,51 @@ def test_library_completes_under_nccl_with_free_messages(name, V):
             assert result.makespan >= ideal.makespan - 1e-9
             assert close(sum(result.busy), sum(ideal.busy))
             assert all(f >= b - 1e-9 for f, b in zip(result.finish, result.busy, strict=True))
+
+
+# ---- why nccl is slower than the compute order ---------------------------------------------------------------
+
+
+def test_find_waits_names_the_batch_and_the_peer():
+    """The three-rank program above: 1F2 has its data at 3 but waits for its batch [1SEND_F1 1RECV_F2] until 7,
+    when rank 2 posts the receive for 1SEND_F1; nothing else waits, and the critical path (rank 2's chain of
+    5-unit forwards) holds no wait at all."""
+    rows = [
+        "0F0 0SEND_F0 0F1 0SEND_F1 0F2 0SEND_F2",
+        "1RECV_F0 1F0 1SEND_F0 1RECV_F1 1F1 1SEND_F1 1RECV_F2 1F2 1SEND_F2",
+        "2RECV_F0 2F0 2RECV_F1 2F1 2RECV_F2 2F2",
+    ]
+    streams = tuple(tuple(map(parse_instruction, r.split())) for r in rows)
+    result = simulate(Program("hand", 3, 3, 1, (0, 1, 2), streams, has_comms=True), Costs(F=(1.0, 1.0, 5.0)), True)
+    waits = find_waits(result)
+    assert [(w.kind, w.rank, w.time, w.until) for w in waits] == [("batch", 1, 3.0, 7.0)]
+    assert "1F2" in waits[0].text and "[1SEND_F1 1RECV_F2]" in waits[0].text and "1SEND_F1" in waits[0].text
+    assert critical_waits(result) == []
+
+
+def test_critical_waits_on_a_fifo_hand_case(tmp_path):
+    """Rank 0 of the two-rank program: [0SEND_F2] is posted at 3 but starts at 6 behind [0SEND_F1], which waits
+    for rank 1 to post its receive; rank 1's chain of 5-unit forwards is the critical path, without waits."""
+    rows = ["0F0 0SEND_F0 0F1 0SEND_F1 0F2 0SEND_F2", "1RECV_F0 1F0 1RECV_F1 1F1 1RECV_F2 1F2"]
+    result = simulate(_program(rows, M=3), parse_costs(str(_write(tmp_path, {"F": [1, 5]}))), record=True)
+    assert [(w.kind, w.rank, w.time, w.until) for w in find_waits(result)] == [("fifo", 0, 3.0, 6.0)]
+    assert critical_waits(result) == []
+
+
+@pytest.mark.parametrize(("name", "V"), LIBRARY)
+def test_critical_waits_account_for_the_gap_to_the_compute_order(name, V):
+    """With free messages, the waits on the critical path (batch and fifo) add up to at least what the compiled
+    streams lose against the compute order: the rest of the path is compute the ideal model runs too."""
+    for P, M in ((2, 5), (3, 7), (4, 8)):
+        try:
+            program = pipec.compile(name, P, M, V)
+        except PipecError:
+            continue
+        result = simulate(program, record=True)
+        gap = result.makespan - simulate(program, p2p="ideal").makespan
+        waits = critical_waits(result)
+        assert sum(w.until - w.time for w in waits) >= gap - 1e-9
+        assert all(w.until > w.time and w.kind in ("batch", "fifo") for w in waits)
 
 
 # ---- costs and the command ------------------------------------------------------------------------------------

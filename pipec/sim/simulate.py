@@ -184,6 +184,7 @@ def _simulate(program: Program, costs: Costs, record: bool, input_fraction: floa
     # Enum members hash through Python code, so the hot loop compares kinds by identity only.
     k_f, k_i, k_w = Kind.F, Kind.I, Kind.W
     k_sf, k_rf, k_sb, k_rb = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
+    comm_kinds = (k_sf, k_rf, k_sb, k_rb)  # `in` on a tuple compares by identity first: no Enum hashing
 
     # Completion times for the data dependencies, flat arrays indexed stage * n_mb + mb (-1: not done yet).
     n_mb = program.microbatches
@@ -287,7 +288,23 @@ def _simulate(program: Program, costs: Costs, record: bool, input_fraction: floa
             k = len(mine)
             mine.append(entry)
             if k < len(theirs):
-                matched(entry, theirs[k]) if is_send else matched(theirs[k], entry)
+                other = theirs[k]
+                if record or other[1] != message:
+                    matched(entry, other) if is_send else matched(other, entry)
+                    continue
+                # matched(), inlined: the hot path of the nccl model
+                end = (start if start > other[0] else other[0]) + message_time
+                if b_done[b] < end:
+                    b_done[b] = end
+                b_missing[b] -= 1
+                if b_missing[b] == 0:
+                    ready.append(rank)
+                peer = other[4]
+                if b_done[peer] < end:
+                    b_done[peer] = end
+                b_missing[peer] -= 1
+                if b_missing[peer] == 0:
+                    ready.append(other[2])
 
     def advance(rank: int) -> None:
         """Run the rank's posted batches in order (rule 4; tagged: each at once) as far as completions allow."""
@@ -318,7 +335,7 @@ def _simulate(program: Program, costs: Costs, record: bool, input_fraction: floa
         blocked = False
         while pos < n:
             instruction = stream[pos]
-            if type(instruction) is Action and instruction[1].is_comm:
+            if type(instruction) is Action and instruction[1] in comm_kinds:
                 # a batch: posted at once, no waiting (rule 1)
                 end = pos
                 sent = 0
@@ -359,16 +376,18 @@ def _simulate(program: Program, costs: Costs, record: bool, input_fraction: floa
                     run_batch(len(b_rank) - 1, t)
                 t += sent * post_cost
                 pos = end
-                advance(rank)
+                if head[rank] == len(batches[rank]) - 1:  # else it starts when its predecessor completes
+                    advance(rank)
                 continue
             # compute: wait for the batches holding the receives it consumes (rule 2), then run
             start = t
-            for stage, kind, mb in instruction.parts:
+            parts = (instruction,) if type(instruction) is Action else instruction.parts
+            for stage, kind, mb in parts:
                 if kind is k_f:
                     message = ((stage - 1) * n_mb + mb) * 2 if stage > 0 and where[stage - 1] != rank else -1
                 elif kind is k_w:
                     message = -1
-                elif kind.is_comm:
+                elif kind in comm_kinds:
                     raise ScheduleError(f"rank {rank}: op {pos} {instruction} pairs a send/recv with compute")
                 else:
                     message = ((stage + 1) * n_mb + mb) * 2 + 1 if stage < S - 1 and where[stage + 1] != rank else -1
@@ -389,7 +408,7 @@ def _simulate(program: Program, costs: Costs, record: bool, input_fraction: floa
             if blocked:
                 break
             end_time = start
-            for stage, kind, mb in instruction.parts:
+            for stage, kind, mb in parts:
                 index = stage * n_mb + mb
                 if mb < 0 or mb >= n_mb:
                     raise ScheduleError(f"rank {rank}: op {pos} {instruction} names a micro-batch out of range")
@@ -407,7 +426,7 @@ def _simulate(program: Program, costs: Costs, record: bool, input_fraction: floa
                     if stage < S - 1 and not 0 <= grad_done[index + n_mb] <= start:
                         _early(instruction, rank, pos, f"the backward of stage {stage + 1}")
                     end_time += d_i[stage] if kind is k_i else d_b[stage]
-            for stage, kind, mb in instruction.parts:
+            for stage, kind, mb in parts:
                 if kind is k_f:
                     forward_done[stage * n_mb + mb] = end_time
                 elif kind is not k_w:

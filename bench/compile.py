@@ -41,6 +41,7 @@ import pipec
 from pipec.compiler import parse_schedule
 from pipec.emit import dump_text
 from pipec.errors import PipecError
+from pipec.frontend.parser import parse
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
 SIZES = ((4, 8, 2), (8, 64, 2), (16, 256, 4), (32, 1024, 4))
@@ -62,6 +63,7 @@ class Row(NamedTuple):
     pipec: Timing | None = None
     orders: Timing | None = None
     parse: Timing | None = None
+    cached: Timing | None = None
     torch: Timing | None = None
     torch_what: str = ""
     note: str = ""
@@ -86,12 +88,19 @@ def measure(fn: Callable[[], object], repeat: int, budget: float, at_least: int 
 
 
 def pipec_compile(name: str, ranks: int, microbatches: int, chunks: int) -> str:
-    """Parse to emitted streams, through the public API."""
+    """Parse to emitted streams, through the public API (parse cache cleared: a cold compile)."""
+    parse.cache_clear()
+    return dump_text(pipec.compile(name, ranks, microbatches, chunks))
+
+
+def pipec_compile_cached(name: str, ranks: int, microbatches: int, chunks: int) -> str:
+    """The same with the schedule already parsed, as in a loop over (P, M, V) such as `pipec test`."""
     return dump_text(pipec.compile(name, ranks, microbatches, chunks))
 
 
 def pipec_orders(name: str, ranks: int, microbatches: int, chunks: int) -> str:
     """Parse to emitted compute orders, without send/recv: what torch's single-stage constructors produce."""
+    parse.cache_clear()
     return dump_text(pipec.load(name, ranks, microbatches, chunks))
 
 
@@ -123,8 +132,14 @@ def bench_one(name: str, size: tuple[int, int, int], args: argparse.Namespace) -
     least = min(3, args.repeat)
     timing = measure(lambda: pipec_compile(name, ranks, microbatches, chunks), args.repeat, args.budget, least)
     orders = measure(lambda: pipec_orders(name, ranks, microbatches, chunks), args.repeat, args.budget, least)
-    parse = measure(lambda: parse_schedule(name), args.repeat, args.budget, least)
-    row = row._replace(ops=ops, pipec=timing, orders=orders, parse=parse)
+    cached = measure(lambda: pipec_compile_cached(name, ranks, microbatches, chunks), args.repeat, args.budget, least)
+
+    def parse_cold() -> object:
+        parse.cache_clear()
+        return parse_schedule(name)
+
+    parse_time = measure(parse_cold, args.repeat, args.budget, least)
+    row = row._replace(ops=ops, pipec=timing, orders=orders, parse=parse_time, cached=cached)
     if args.no_torch:
         return row
     build, what = torch_builder(name, ranks, microbatches, chunks)
@@ -142,11 +157,11 @@ def _first_line(error: Exception) -> str:
 
 HEADER = (
     "| schedule         |  P |    M | V |     ops |  pipec ms |  us/op | n | parse ms | orders ms |  torch ms | n "
-    "| torch timed | pipec/torch |"
+    "| torch timed | pipec/torch | cached ms | cached/torch |"
 )
 RULE = (
     "|------------------|---:|-----:|--:|--------:|----------:|-------:|--:|---------:|----------:|----------:|--:"
-    "|-------------|------------:|"
+    "|-------------|------------:|----------:|-------------:|"
 )
 
 
@@ -162,7 +177,11 @@ def format_row(row: Row) -> str:
     if row.torch is None:
         return f"{text} {'-':>9} | - | {'-':<11} | {'-':>11} | {row.note}".rstrip()
     ratio = row.pipec.median / row.torch.median
-    return f"{text} {1e3 * row.torch.median:>9.2f} | {row.torch.runs} | {row.torch_what:<11} | {ratio:>11.3f} |"
+    cached = row.cached.median if row.cached is not None else float("nan")
+    return (
+        f"{text} {1e3 * row.torch.median:>9.2f} | {row.torch.runs} | {row.torch_what:<11} | {ratio:>11.3f} "
+        f"| {1e3 * cached:>9.2f} | {cached / row.torch.median:>12.3f} |"
+    )
 
 
 def parse_size(text: str) -> tuple[int, int, int]:

@@ -16,6 +16,7 @@ from pipec.errors import PipecInputError
 from pipec.frontend.ast import Schedule
 from pipec.frontend.expand import expand
 from pipec.frontend.parser import parse
+from pipec.gcpause import without_cyclic_gc
 from pipec.ir import Program
 from pipec.library import resolve
 from pipec.passes.p2p import insert_p2p_ops
@@ -68,7 +69,8 @@ def compile_program(
     comms: bool = True,
 ) -> Program:
     """Every phase: the instruction streams, with send/recv inserted unless the input already had them."""
-    program = compute_orders(schedule, ranks, microbatches, chunks, params)
-    if comms and not program.has_comms:
-        program = insert_p2p_ops(program)
+    with without_cyclic_gc():
+        program = compute_orders(schedule, ranks, microbatches, chunks, params)
+        if comms and not program.has_comms:
+            program = insert_p2p_ops(program)
     return program

@@ -51,7 +51,8 @@ class Action(NamedTuple):
     mb: int
 
     def __str__(self) -> str:
-        return f"{self.stage}{self.kind.value}{self.mb}"
+        # `_value_` is a plain attribute; `.value` goes through enum's descriptor, ~40% of text emission
+        return f"{self.stage}{self.kind._value_}{self.mb}"
 
     @property
     def parts(self) -> tuple[Action, ...]:

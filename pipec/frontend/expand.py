@@ -106,11 +106,61 @@ _FUNCTIONS: dict[str, tuple[int, int, Callable[..., int]]] = {
 class _Compiler:
     """Turns AST nodes into closures over a _RankState. Checks names statically."""
 
-    def __init__(self, known: Iterable[str], exact_division: bool = False) -> None:
+    def __init__(
+        self,
+        known: Iterable[str],
+        exact_division: bool = False,
+        constants: Mapping[str, int] | None = None,
+        chunks: int | None = None,
+    ) -> None:
         self.known = set(known)
         self.exact_division = exact_division  # `/` is legal in `memory` and `expect` lines only
+        # names whose value is fixed for the whole run (parameters, the rank, single top-level assignments):
+        # expressions over them are folded at compile time instead of walked for every op
+        self.constants = dict(constants or {})
+        self.chunks = chunks  # this rank's stage count, when compiling for one rank
+        self._folded: dict[int, int | None] = {}
+        self._plain: _Compiler | None = None  # evaluates foldable expressions, on a state holding the constants
+        self._state: _RankState | None = None
+
+    def fold(self, e: ast.Expr) -> int | None:
+        """The value of an expression of literals and constants; None when it needs run-time state or fails."""
+        key = id(e)  # AST nodes outlive the compiler; each is compiled once, so its answer never changes
+        if key not in self._folded:
+            self._folded[key] = self._fold(e)
+        return self._folded[key]
+
+    def _fold(self, e: ast.Expr) -> int | None:
+        if isinstance(e, ast.Int):
+            return e.value
+        if isinstance(e, ast.Var):
+            return self.constants.get(e.name)
+        if isinstance(e, ast.Call):
+            children: tuple[ast.Expr, ...] = e.args
+        elif isinstance(e, ast.BinOp):
+            children = (e.left, e.right)
+        elif isinstance(e, ast.Unary):
+            children = (e.operand,)
+        elif isinstance(e, ast.Cond):
+            children = (e.test, e.then, e.otherwise)
+        else:
+            return None  # count(), pending(): run-time state
+        if any(self.fold(child) is None for child in children):
+            return None
+        if self._plain is None:
+            self._plain = _Compiler(self.known, self.exact_division)
+            self._state = _RankState(vars=self.constants, rank=-1, stages=(), budget=1)
+        try:
+            value = self._plain.expr(e)(self._state)
+        except ScheduleProgramError:
+            return None  # e.g. a division by zero: keep it a run-time error, raised only if reached
+        return value if isinstance(value, int) else None
 
     def expr(self, e: ast.Expr) -> ExprFn:
+        if self.constants and not isinstance(e, ast.Int):
+            folded = self.fold(e)
+            if folded is not None:
+                return lambda st: folded
         if isinstance(e, ast.Int):
             value = e.value
             return lambda st: value
@@ -170,6 +220,18 @@ class _Compiler:
 
     def _binop(self, e: ast.BinOp) -> ExprFn:
         a, b, op, span = self.expr(e.left), self.expr(e.right), e.op, e.span
+        c = self.fold(e.right) if self.constants else None
+        if c is not None:  # a constant right operand: no second call, no zero check
+            if op == "+":
+                return lambda st: a(st) + c
+            if op == "-":
+                return lambda st: a(st) - c
+            if op == "*":
+                return lambda st: a(st) * c
+            if op == "//" and c != 0:
+                return lambda st: a(st) // c
+            if op == "%" and c != 0:
+                return lambda st: a(st) % c
         if op == "+":
             return lambda st: a(st) + b(st)
         if op == "-":
@@ -205,19 +267,30 @@ class _Compiler:
             return lambda st: int(bool(a(st)) and bool(b(st)))
         if op == "or":
             return lambda st: int(bool(a(st)) or bool(b(st)))
-        compare = {
-            "==": lambda x, y: x == y,
-            "!=": lambda x, y: x != y,
-            "<": lambda x, y: x < y,
-            "<=": lambda x, y: x <= y,
-            ">": lambda x, y: x > y,
-            ">=": lambda x, y: x >= y,
-        }[op]
-        return lambda st: int(compare(a(st), b(st)))
+        # one closure per operator: while-loop tests run once per op, a shared compare() call costs a third
+        if op == "==":
+            return lambda st: 1 if a(st) == b(st) else 0
+        if op == "!=":
+            return lambda st: 1 if a(st) != b(st) else 0
+        if op == "<":
+            return lambda st: 1 if a(st) < b(st) else 0
+        if op == "<=":
+            return lambda st: 1 if a(st) <= b(st) else 0
+        if op == ">":
+            return lambda st: 1 if a(st) > b(st) else 0
+        return lambda st: 1 if a(st) >= b(st) else 0
 
     def _count(self, e: ast.Count) -> ExprFn:
         chunk_fn = self.expr(e.op.chunk) if e.op.chunk is not None else (lambda st: 0)
         span = e.span
+        c = 0 if e.op.chunk is None else self.fold(e.op.chunk)
+        if c is not None and self.chunks is not None and 0 <= c < self.chunks:  # a chunk checked once, here
+            if e.op.kind == "F":
+                return lambda st: st.forward_count[c]
+            if e.op.kind != "W":
+                return lambda st: st.backward_count[c]
+            if e.op.chunk is not None:
+                return lambda st: st.weight_count[c]
         if e.op.kind == "F":
             return lambda st: st.forward_count[st.chunk_index(chunk_fn(st), span)]
         if e.op.kind == "W":
@@ -227,9 +300,22 @@ class _Compiler:
         return lambda st: st.backward_count[st.chunk_index(chunk_fn(st), span)]
 
     # -- statements
-    def block(self, body: Iterable[ast.Stmt]) -> Callable[[_RankState], None]:
-        steps = [self.stmt(s) for s in body]
+    def top_block(self, body: Iterable[ast.Stmt], once: set[str]) -> Callable[[_RankState], None]:
+        """The per-rank program. A name assigned once, at top level, to a foldable value is a constant
+        from that statement on (uses before it still fail at run time, as they should)."""
+        steps = []
+        for s in body:
+            steps.append(self.stmt(s))
+            if isinstance(s, ast.Assign) and s.name in once:
+                value = self.fold(s.value)
+                if value is not None:
+                    self.constants[s.name] = value
+        return self._sequence(steps)
 
+    def block(self, body: Iterable[ast.Stmt]) -> Callable[[_RankState], None]:
+        return self._sequence([self.stmt(s) for s in body])
+
+    def _sequence(self, steps: list[Callable[[_RankState], None]]) -> Callable[[_RankState], None]:
         def run(st: _RankState) -> None:
             for step in steps:
                 step(st)
@@ -317,6 +403,10 @@ class _Compiler:
 
         def chunk_of(st: _RankState) -> int:
             return st.chunk_index(chunk_fn(st), span) if chunk_fn is not None else 0
+
+        constant_chunk = 0 if o.chunk is None else self.fold(o.chunk)
+        if constant_chunk is not None and self.chunks is not None and 0 <= constant_chunk < self.chunks:
+            chunk_of = lambda st: constant_chunk  # noqa: E731 - checked once here, not per op
 
         if kind is Kind.W:
             if_pending, any_chunk = o.if_pending, chunk_fn is None
@@ -411,6 +501,28 @@ def _refuse_assignments(body: Iterable[ast.Stmt], fixed: set[str]) -> None:
             for _, branch in s.branches:
                 _refuse_assignments(branch, fixed)
             _refuse_assignments(s.otherwise, fixed)
+
+
+def _assignment_counts(body: Iterable[ast.Stmt]) -> dict[str, int]:
+    """How many statements assign each name (a loop variable counts as many)."""
+    counts: dict[str, int] = {}
+
+    def visit(stmts: Iterable[ast.Stmt]) -> None:
+        for s in stmts:
+            if isinstance(s, ast.Assign):
+                counts[s.name] = counts.get(s.name, 0) + 1
+            elif isinstance(s, ast.For):
+                counts[s.var] = counts.get(s.var, 0) + 2  # a loop variable changes: never a constant
+                visit(s.body)
+            elif isinstance(s, (ast.Repeat, ast.While)):
+                visit(s.body)
+            elif isinstance(s, ast.If):
+                for _, branch in s.branches:
+                    visit(branch)
+                visit(s.otherwise)
+
+    visit(body)
+    return counts
 
 
 def _evaluate(e: ast.Expr, env: Mapping[str, int], exact_division: bool = False) -> int:
@@ -600,11 +712,15 @@ def _run_programs(
             schedule.span,
         )
     _refuse_assignments(schedule.body, set(env) | {schedule.rank_var})
-    known = set(env) | {schedule.rank_var} | _assigned_names(schedule.body)
-    program = _Compiler(known).block(schedule.body)
+    assigned = _assignment_counts(schedule.body)
+    known = set(env) | {schedule.rank_var} | set(assigned)
+    once = {name for name, count in assigned.items() if count == 1 and name not in env and name != schedule.rank_var}
     budget = 64 * (3 * env["M"] * env["V"] + env["P"]) + 100_000
     streams = []
     for rank, stages in enumerate(rank_stages):
+        # compiled per rank (microseconds) so that the rank and the names derived from it fold to constants
+        constants = {name: value for name, value in {**env, schedule.rank_var: rank}.items() if name not in assigned}
+        program = _Compiler(known, constants=constants, chunks=len(stages)).top_block(schedule.body, once)
         st = _RankState(vars={**env, schedule.rank_var: rank}, rank=rank, stages=stages, budget=budget)
         try:
             program(st)
@@ -630,6 +746,10 @@ def _literal_streams(schedule: ast.Schedule, ranks: int) -> list[list[Instructio
 def _drop_padded(stream: list[Instruction], microbatches: int) -> list[Instruction]:
     out: list[Instruction] = []
     for instruction in stream:
+        if type(instruction) is Action:  # the common case, without building a list
+            if instruction.mb < microbatches:
+                out.append(instruction)
+            continue
         kept = [a for a in instruction.parts if a.mb < microbatches]
         if len(kept) == 2:
             out.append(instruction)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from functools import cache
+from functools import cache, lru_cache
 from importlib import resources
 from typing import Any
 
@@ -85,8 +85,12 @@ def _describe_expected(expected: set[str]) -> str:
     return ", ".join(names)
 
 
+@lru_cache(maxsize=64)
 def parse(text: str, filename: str = "<string>") -> ast.Schedule:
-    """Parse one .pipe file. Raises PipecSyntaxError with file:line:col on any error."""
+    """Parse one .pipe file. Raises PipecSyntaxError with file:line:col on any error.
+
+    Cached by (text, filename): the AST is immutable, and a program that compiles one schedule for many
+    (P, M, V), as `pipec test` and the benchmarks do, parses it once."""
     if not text.endswith("\n"):
         text += "\n"
     try:

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import pipec  # noqa: E402
+from pipec.errors import PipecError  # noqa: E402
 from pipec.verify import verify  # noqa: E402
 from pipec.verify.deadlock import check_deadlock  # noqa: E402
 
@@ -90,7 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.schedules:
         for size in args.sizes:
             p, m, v = (int(x) for x in size.split(","))
-            program = pipec.compile(name, p, m, v)
+            try:
+                program = pipec.compile(name, p, m, v)
+            except PipecError as e:  # e.g. a size the schedule's `require` refuses
+                print(f"{name:<18} {p:>3} {m:>5} {v:>2}  skipped: {e.message}")
+                continue
             instructions = sum(len(s) for s in program.streams)
             cli_s, code = _median(lambda n=name, p=p, m=m, v=v: _cli(n, p, m, v), args.repeat)
             verify_s, report = _median(lambda program=program: verify(program), args.repeat)

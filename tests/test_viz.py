@@ -3,6 +3,7 @@ grid and the simulated Chrome trace."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import struct
@@ -164,6 +165,14 @@ def test_sim_trace_has_true_durations_and_a_flow_per_message():
                 e["cat"] == "comm" and e["ts"] - 1e-6 <= point["ts"] <= e["ts"] + e["dur"] + 1e-6
                 for e in by_track[point["tid"]]
             )
+    # batches run on the communication stream beside compute (p2p rule v2): their own track per rank, so the
+    # slices of one track never overlap
+    names = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert names == {0: "rank 0", 1: "rank 1", 2: "rank 2", 3: "rank 0 p2p", 4: "rank 1 p2p", 5: "rank 2 p2p"}
+    for tid, slices in by_track.items():
+        assert {e["cat"] == "comm" for e in slices} == {tid >= 3}
+        slices.sort(key=lambda e: e["ts"])
+        assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-6 for a, b in itertools.pairwise(slices))
 
 
 def test_viz_and_show_commands(tmp_path, capsys):

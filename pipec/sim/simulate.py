@@ -203,6 +203,7 @@ def _simulate(program: Program, costs: Costs, record: bool, input_fraction: floa
     b_start: list[float] = []
     b_done: list[float] = []
     b_missing: list[int] = []
+    b_ops: list[list[tuple]] = []  # per batch: (is_send, ordered pair of ranks, message, stream position) per op
     # per rank: its batches in order, the first one not yet completed (its NCCL stream's head), and when the
     # previous one completed
     batches: list[list[int]] = [[] for _ in range(P)]
@@ -255,17 +256,7 @@ def _simulate(program: Program, costs: Costs, record: bool, input_fraction: floa
         b_done[b] = start
         rank = b_rank[b]
         stream = streams[rank]
-        for pos in range(b_lo[b], b_hi[b]):
-            stage, kind, mb = stream[pos]
-            # pair tables: ordered pair of ranks (src * P + dst) per stage, -1 where none exists
-            if kind is k_sf:
-                is_send, pair, message = True, fwd_pair[stage], (stage * n_mb + mb) * 2
-            elif kind is k_rf:
-                is_send, pair, message = False, fwd_pair[stage - 1], ((stage - 1) * n_mb + mb) * 2
-            elif kind is k_sb:
-                is_send, pair, message = True, bwd_pair[stage], (stage * n_mb + mb) * 2 + 1
-            else:
-                is_send, pair, message = False, bwd_pair[stage + 1], ((stage + 1) * n_mb + mb) * 2 + 1
+        for is_send, pair, message, pos in b_ops[b]:
             entry = (start, message, rank, pos, b)
             if tagged:
                 if is_send:
@@ -339,19 +330,21 @@ def _simulate(program: Program, costs: Costs, record: bool, input_fraction: floa
                 # a batch: posted at once, no waiting (rule 1)
                 end = pos
                 sent = 0
+                ops = []
                 while end < n:
                     action = stream[end]
                     if type(action) is not Action:
                         break
                     stage, kind, mb = action
+                    # pair tables: ordered pair of ranks (src * P + dst) per stage, -1 where none exists
                     if kind is k_rf:
-                        pair, message = fwd_pair[stage - 1], ((stage - 1) * n_mb + mb) * 2
+                        is_send, pair, message = False, fwd_pair[stage - 1], ((stage - 1) * n_mb + mb) * 2
                     elif kind is k_rb:
-                        pair, message = bwd_pair[stage + 1], ((stage + 1) * n_mb + mb) * 2 + 1
+                        is_send, pair, message = False, bwd_pair[stage + 1], ((stage + 1) * n_mb + mb) * 2 + 1
                     elif kind is k_sf:
-                        pair, message = fwd_pair[stage], -1
+                        is_send, pair, message = True, fwd_pair[stage], (stage * n_mb + mb) * 2
                     elif kind is k_sb:
-                        pair, message = bwd_pair[stage], -1
+                        is_send, pair, message = True, bwd_pair[stage], (stage * n_mb + mb) * 2 + 1
                     else:
                         break
                     if pair < 0 or where[stage] != rank or mb < 0 or mb >= n_mb:
@@ -359,12 +352,14 @@ def _simulate(program: Program, costs: Costs, record: bool, input_fraction: floa
                             f"rank {rank}: op {end} {action} names a stage or micro-batch out of range, "
                             "or a stage this rank does not hold"
                         )
-                    if message < 0:
+                    if is_send:
                         sent += 1
                     else:
                         recv_batch[message] = len(b_rank)
+                    ops.append((is_send, pair, message, end))
                     end += 1
                 b_rank.append(rank)
+                b_ops.append(ops)
                 b_lo.append(pos)
                 b_hi.append(end)
                 b_post.append(t)
@@ -381,7 +376,51 @@ def _simulate(program: Program, costs: Costs, record: bool, input_fraction: floa
                 continue
             # compute: wait for the batches holding the receives it consumes (rule 2), then run
             start = t
-            parts = (instruction,) if type(instruction) is Action else instruction.parts
+            if type(instruction) is Action:  # the common case, inlined (the general loop below handles pairs)
+                stage, kind, mb = instruction
+                if mb < 0 or mb >= n_mb:
+                    raise ScheduleError(f"rank {rank}: op {pos} {instruction} names a micro-batch out of range")
+                index = stage * n_mb + mb
+                if kind is k_f:
+                    message = ((stage - 1) * n_mb + mb) * 2 if stage > 0 and where[stage - 1] != rank else -1
+                elif kind is k_w:
+                    message = -1
+                else:
+                    message = ((stage + 1) * n_mb + mb) * 2 + 1 if stage < S - 1 and where[stage + 1] != rank else -1
+                if message >= 0:
+                    b = recv_batch[message]
+                    if b < 0 or b_rank[b] != rank:
+                        _no_receive(instruction, rank, pos)
+                    if b_start[b] < 0 or b_missing[b]:
+                        break  # blocked: woken when the batch completes
+                    if b_done[b] > start:
+                        start = b_done[b]
+                if kind is k_f:
+                    if stage > 0 and not 0 <= forward_done[index - n_mb] <= start:
+                        _early(instruction, rank, pos, f"the forward of stage {stage - 1}")
+                    end_time = start + d_f[stage]
+                    forward_done[index] = end_time
+                elif kind is k_w:
+                    if not 0 <= grad_done[index] <= start:
+                        _early(instruction, rank, pos, f"the input-gradient backward (I) of stage {stage}")
+                    end_time = start + d_w[stage]
+                else:
+                    if not 0 <= forward_done[index] <= start:
+                        _early(instruction, rank, pos, f"its forward {Action(stage, Kind.F, mb)}")
+                    if stage < S - 1 and not 0 <= grad_done[index + n_mb] <= start:
+                        _early(instruction, rank, pos, f"the backward of stage {stage + 1}")
+                    end_time = start + (d_i[stage] if kind is k_i else d_b[stage])
+                    grad_done[index] = end_time
+                if first[rank] < 0:
+                    first[rank] = start
+                if record:
+                    line.append(TimedOp(rank, start, end_time, instruction))
+                waited[rank] += start - t
+                work += end_time - start
+                t = end_time
+                pos += 1
+                continue
+            parts = instruction.parts
             for stage, kind, mb in parts:
                 if kind is k_f:
                     message = ((stage - 1) * n_mb + mb) * 2 if stage > 0 and where[stage - 1] != rank else -1
@@ -394,12 +433,7 @@ def _simulate(program: Program, costs: Costs, record: bool, input_fraction: floa
                 if message >= 0:
                     b = recv_batch[message]
                     if b < 0 or b_rank[b] != rank:
-                        what = f"activation from stage {stage - 1}" if kind is k_f else "gradient"
-                        what = what if kind is k_f else f"gradient from stage {stage + 1}"
-                        raise ScheduleError(
-                            f"rank {rank}: op {pos} {instruction} runs before its input {what} is received "
-                            "(no receive for it is posted before it)"
-                        )
+                        _no_receive(Action(stage, kind, mb), rank, pos)
                     if b_start[b] < 0 or b_missing[b]:
                         blocked = True
                         break
@@ -613,6 +647,15 @@ def _is_send_to(program: Program, instruction: Instruction, src: int, dst: int) 
         return False
     step = 1 if instruction.kind is Kind.SEND_F else -1
     return program.stage_to_rank[instruction.stage + step] == dst
+
+
+def _no_receive(action: Action, rank: int, pos: int) -> None:
+    stage, kind, _ = action
+    what = f"activation from stage {stage - 1}" if kind is Kind.F else f"gradient from stage {stage + 1}"
+    raise ScheduleError(
+        f"rank {rank}: op {pos} {action} runs before its input {what} is received "
+        "(no receive for it is posted before it)"
+    )
 
 
 def _early(action: Action, rank: int, pos: int, what: str) -> None:

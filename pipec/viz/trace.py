@@ -9,7 +9,7 @@ rank named ``rank r``, one complete event ("X") per instruction with its true du
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -43,19 +43,24 @@ def chrome_trace(
     flows: Iterable[TraceFlow] = (),
     title: str = "pipec",
     ranks: Sequence[int] | None = None,
+    tracks: Mapping[int, tuple[str, int]] | None = None,
 ) -> dict:
     """Build the trace object (``{"traceEvents": [...], "displayTimeUnit": "ms"}``).
 
     ``ranks`` names the tracks to create even if a rank has no events; by default the ranks seen in ``events``.
+    ``tracks`` gives other tracks (an event's ``rank`` is its track id) a name and a sort index, e.g. a rank's
+    communication stream beside its compute.
     Flow endpoints bind to the enclosing slice on their track ("bp": "e"), so a flow's timestamps should fall
     inside (or at the edge of) the send and receive events.
     """
     events = list(events)
     seen = sorted({e.rank for e in events} | set(ranks or ()))
     out: list[dict] = [{"ph": "M", "pid": _PID, "name": "process_name", "args": {"name": title}}]
-    for r in seen:
-        out.append({"ph": "M", "pid": _PID, "tid": r, "name": "thread_name", "args": {"name": f"rank {r}"}})
-        out.append({"ph": "M", "pid": _PID, "tid": r, "name": "thread_sort_index", "args": {"sort_index": r}})
+    named = dict(tracks or {})
+    for r in sorted(set(seen) | set(named)):
+        name, order = named.get(r, (f"rank {r}", r))
+        out.append({"ph": "M", "pid": _PID, "tid": r, "name": "thread_name", "args": {"name": name}})
+        out.append({"ph": "M", "pid": _PID, "tid": r, "name": "thread_sort_index", "args": {"sort_index": order}})
     for e in events:
         ev = {
             "ph": "X",

@@ -455,6 +455,17 @@ def test_simulate_command_text_and_errors(capsys):
     assert "unknown cost 'Q'" in capsys.readouterr().err
 
 
+def test_simulate_why_lists_the_critical_waits(capsys):
+    assert main(["simulate", "1f1b", "-P", "4", "-M", "8", "--why", "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    ideal = simulate(pipec.load("1f1b", 4, 8), p2p="ideal").makespan
+    waits = data["critical_waits"]
+    assert sum(w["until"] - w["time"] for w in waits) >= data["makespan"] - ideal - 1e-9
+    assert all({"time", "until", "rank", "kind", "text"} <= set(w) for w in waits)
+    assert main(["simulate", "gpipe", "-P", "2", "-M", "2", "--why"]) == 0
+    assert "waits on the critical path: 0" in capsys.readouterr().out
+
+
 def test_ideal_model_message_time():
     # with a message costing c, each of the P-1 hops of the first forward and the last backward adds c
     P, M, c = 4, 6, 0.25

@@ -11,6 +11,12 @@ from pipec.sim.costs import DEFAULT_COSTS
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--format", choices=("text", "json"), default="text")
+    parser.add_argument(
+        "--why",
+        action="store_true",
+        help="also list the waits on the critical path that the compute order alone does not have (batch, fifo, "
+        "post; nccl model): which rank waits for which batch",
+    )
     parser.add_argument("-o", "--output", metavar="PATH", help="write here instead of standard output")
 
 
@@ -46,13 +52,26 @@ def run_simulation(args: argparse.Namespace, record: bool = False):
 def main(args: argparse.Namespace) -> int:
     from pipec.cli import _write
 
-    result = run_simulation(args)
+    why = getattr(args, "why", False)
+    result = run_simulation(args, record=why)
+    waits = []
+    if why:
+        from pipec.sim.waits import critical_waits
+
+        waits = critical_waits(result)
     if args.format == "json":
         data = result.to_json()
         data["p2p"] = args.p2p
+        if why:
+            data["critical_waits"] = [w._asdict() for w in waits]
         _write(json.dumps(data, indent=2) + "\n", args.output)
     else:
-        _write(render_text(result, args.p2p), args.output)
+        text = render_text(result, args.p2p)
+        if why:
+            total = sum(w.until - w.time for w in waits)
+            text += f"waits on the critical path: {len(waits)}, {total:g} time units\n"
+            text += "".join(f"  {w.kind:<5} {w.text}\n" for w in waits)
+        _write(text, args.output)
     return 0
 
 

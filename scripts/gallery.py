@@ -107,7 +107,8 @@ def _why(name: str, nccl, ideal, shown: int = 3) -> str:
     )
     lines = [
         f"- **{name}**: makespan {nccl.makespan:g} against {ideal.makespan:g}; {len(waits)} waits on the critical "
-        f"path ({kinds}), {sum(w.until - w.time for w in waits):g} time units in all:"
+        f"path ({kinds}), {sum(w.until - w.time for w in waits):g} time units summed (the fifo waits of one chain "
+        "overlap in time):"
     ]
     lines += [f"  - {w.text}" for w in waits[:shown]]
     if len(waits) > shown:

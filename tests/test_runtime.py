@@ -148,3 +148,36 @@ def test_ranks_that_disagree_about_the_schedule_stop_at_set_up() -> None:
     assert len(errors) == 2
     for text in errors:
         assert "disagree" in text and "rank 1 runs 1f1b P=2 M=2" in text and "rank 0 runs 1f1b P=2 M=4" in text
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_compute_waits_only_for_the_batches_holding_its_receives(name: str) -> None:
+    """Rule version 2, rule 2: the plan makes a compute instruction wait for the batch holding RECV_F(s, m)
+    before F(s, m) and RECV_B(s, m) before B/I(s, m), and for nothing else (no batch of sends only). Checked
+    against the stream itself: batches are found here from the instruction indices, not from the plan."""
+    from pipec.ir import Action, Kind
+    from pipec.runtime.interpreter import plan
+
+    program = pipec.compile(name, 4, 8)
+    for stream in program.streams:
+        entries = plan(stream)
+        batch_of = {}  # stream index of a p2p instruction -> plan index of its batch
+        for k, entry in enumerate(entries):
+            if entry.run.__name__ == "communicate":
+                batch_of.update({entry.first + j: k for j in range(len(entry.actions))})
+        recv_at = {(a.kind, a.stage, a.mb): i for i, a in enumerate(stream) if isinstance(a, Action)}
+        assert [a for e in entries for a in e.actions] == [a for i in stream for a in i.parts]
+        for entry in entries:
+            if entry.run.__name__ != "compute":
+                assert entry.waits == ()
+                continue
+            expected = set()
+            for action in entry.actions:
+                feeder = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B, Kind.I: Kind.RECV_B}.get(action.kind)
+                index = recv_at.get((feeder, action.stage, action.mb))
+                if index is not None:
+                    assert index < entry.first  # the receive comes earlier in the stream
+                    expected.add(batch_of[index])
+            assert set(entry.waits) == expected, (str(entry.actions), entry.waits)
+            for k in entry.waits:
+                assert any(a.kind in (Kind.RECV_F, Kind.RECV_B) for a in entries[k].actions)

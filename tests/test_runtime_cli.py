@@ -53,19 +53,51 @@ def test_cli_writes_report_trace_and_the_trained_weights(tmp_path: Path) -> None
     computed = [e["name"] for e in slices if e["cat"] in ("F", "B", "I", "W")]
     assert len(computed) == 2 * 4 * 4 * 3 and {e["tid"] for e in slices} == {0, 1}
     assert any(e["ph"] == "s" for e in events)  # send -> receive arrows
-    # one time origin for all ranks: no receive completes before its send was posted on the other rank
-    posted = {}
-    for e in slices:
-        for part in e["name"].split():
-            posted[e["args"]["step"], part] = (e["ts"], e["ts"] + e["dur"])
+    # every batch is posted once ("comm") and waited for once ("wait"), after it was posted
+    posted, waited = p2p_slices(slices)
+    assert sorted(posted) == sorted(waited) and posted
+    assert all(waited[key][0] >= posted[key][0] for key in posted)
+    # one time origin for all ranks: no receive is delivered before its send was posted on the other rank
     pairs = 0
     for (step, name), (start, _) in posted.items():
         stage, kind, mb = parse_instruction(name)
         if kind is Kind.SEND_F or kind is Kind.SEND_B:
             peer = Action(stage + 1 if kind is Kind.SEND_F else stage - 1, Kind[f"RECV_{kind.value[-1]}"], mb)
-            assert posted[step, str(peer)][1] >= start, (step, name)
+            assert waited[step, str(peer)][1] >= start, (step, name)
             pairs += 1
     assert pairs > 0
+
+
+def p2p_slices(slices: list[dict]) -> tuple[dict, dict]:
+    """(step, p2p action) -> (start, end) of the slice posting its batch, and of the slice waiting for it."""
+    posted, waited = {}, {}
+    for e in slices:
+        box = {"comm": posted, "wait": waited}.get(e["cat"])
+        for part in e["name"].split() if box is not None else ():
+            assert (e["args"]["step"], part) not in box, part
+            box[e["args"]["step"], part] = (e["ts"], e["ts"] + e["dur"])
+    return posted, waited
+
+
+def test_a_rank_computes_on_while_its_sends_wait_for_the_receiver(tmp_path: Path) -> None:
+    """Rule version 2: rank 0 never waits for a send before computing. Its receiver (stage 1) sleeps 0.25 s per
+    forward and posts RECV_F(1, m) only after F(1, m-1), so under version 1 (each batch waited for at once)
+    rank 0 could not start F(0, 3) before F(1, 1) ended; under version 2 it runs all its forwards at once and
+    waits for its sends only at the end of the step."""
+    done = run(
+        [*PIPEC, "run", "gpipe", "-P", "2", "-M", "4", "--model", "workloads:slow_receiver", "--partition", "2,2",
+         "--steps", "1", "--trace", "trace.json"],
+        tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    slices = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    at = {e["name"]: (e["ts"], e["ts"] + e["dur"]) for e in slices if e["cat"] == "F"}
+    assert at["0F3"][0] < at["1F1"][1] - 0.2e6  # a wide margin: the sleep alone puts 1F1's end 0.5 s in
+    posted, waited = p2p_slices(slices)
+    # rank 0's sends completed only once rank 1 posted the receives, long after rank 0's forwards
+    for m in range(4):
+        assert waited[0, f"0SEND_F{m}"][1] >= posted[0, f"1RECV_F{m}"][0]
+    assert posted[0, "1RECV_F3"][0] > at["0F3"][1] + 0.2e6
 
 
 def test_torchrun_launch(tmp_path: Path) -> None:
@@ -92,9 +124,27 @@ def test_a_killed_worker_stops_every_rank_with_a_clear_error(tmp_path: Path) -> 
     assert done.returncode == 3
     lines = done.stderr.splitlines()
     assert "rank 2: the process was killed by SIGKILL" in done.stderr
-    for rank in (0, 1, 3):  # each survivor names itself, the step and the instruction it was blocked in
-        assert any(line.strip().startswith(f"rank {rank}: step 1, instruction ") for line in lines), rank
+    for rank in (0, 1, 3):  # each survivor names itself, the step and where it was blocked
+        assert any(line.strip().startswith(f"rank {rank}: step 1, ") and "waiting for" in line for line in lines), rank
     assert "step   0  loss" in done.stdout
+
+
+def test_a_rank_dying_while_its_peer_waits_on_sends_at_the_end_of_the_step(tmp_path: Path) -> None:
+    # rank 1 dies in F(1, 1) of step 1; rank 0 has posted every forward send and waits for them at the end of
+    # the step: the send of micro-batch 2 can never complete
+    start = time.monotonic()
+    done = run(
+        [*PIPEC, "run", "forward_only", "-P", "2", "-M", "4", "--model", "workloads:dies_receiving",
+         "--partition", "2,2", "--timeout", "10"],
+        tmp_path,
+        timeout=120,  # a hang guard only
+    )  # fmt: skip
+    print(f"exited after {time.monotonic() - start:.1f} s (rc {done.returncode})\n{done.stderr}")
+    assert done.returncode == 3
+    assert "rank 1: the process was killed by SIGKILL" in done.stderr
+    line = next(line.strip() for line in done.stderr.splitlines() if line.strip().startswith("rank 0: "))
+    assert line.startswith("rank 0: step 1, end of step, waiting for the batch at instruction "), line
+    assert "0SEND_F" in line
 
 
 def test_a_hung_worker_is_ended_by_the_watchdog_and_the_others_time_out(tmp_path: Path) -> None:

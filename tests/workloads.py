@@ -84,6 +84,33 @@ def hangs() -> Workload:
     return work
 
 
+class Sleep(nn.Module):
+    """Sleeps on every forward: a stage much slower than its neighbours."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return x
+
+
+def slow_receiver() -> Workload:
+    """Two stages (partition 2,2) whose second sleeps 0.25 s per forward: its receives are posted late."""
+    work = mlp(layers=1, hidden=8, batch=8, steps=1)
+    work.layers = nn.Sequential(*work.layers, Sleep(0.25), nn.Linear(8, 8))
+    return work
+
+
+def dies_receiving() -> Workload:
+    """Two stages (partition 2,2) where the second's rank dies on its 6th forward: step 1's micro-batch 1 for
+    M=4 (the last stage is not run at start-up), while rank 0's later sends are still outstanding."""
+    work = mlp(layers=1, hidden=8, batch=8, steps=4)
+    work.layers = nn.Sequential(*work.layers, DieOnce(after=6), nn.Linear(8, 8))
+    return work
+
+
 def tiny() -> Workload:
     """Two layers: too few for four stages."""
     return mlp(layers=1)

@@ -12,10 +12,13 @@ Where tensors live between instructions (keys are (stage, micro-batch)):
 Live activations are counted from `saved` and `partial` after every compute instruction; the peak must equal
 `peak_activations` of the verifier, since both follow the same stream.
 
-Point-to-point rule (the one the verifier proves deadlock-free): a maximal run of consecutive SEND/RECV
-instructions is one batch, posted with one `batch_isend_irecv` call in stream order, every op of it (sends
-included) waited for before the next instruction. Every message uses tag 0, so messages between two ranks
-match in issue order, as NCCL matches them. Shapes are known from start-up (`shapes`), never sent.
+Point-to-point rule, version 2 (the one the verifier proves deadlock-free): a maximal run of consecutive
+SEND/RECV instructions is one batch, posted with one `batch_isend_irecv` call in stream order, without waiting.
+A compute instruction first waits for the batches holding the receives it consumes (RECV_F(s, m) before
+F(s, m), RECV_B(s, m) before B/I(s, m)); nothing waits for a send until the end of the step, where every
+outstanding batch is waited for in posting order (before the optimizer step). A posted batch keeps its send
+tensors alive until it has been waited for. Every message uses tag 0, so messages between two ranks match in
+issue order, as NCCL matches them. Shapes are known from start-up (`shapes`), never sent.
 
 Split backward: F records the output of every layer with parameters. I asks autograd for the gradients of the
 stage input and of those layer outputs (keeping the graph); W then continues, layer by layer, from each
@@ -72,7 +75,10 @@ class Context:
     comm_s: float = 0.0
     peak: float = 0.0
     events: list = field(default_factory=list)  # (actions, category, start, duration)
-    pc: int = -1  # the plan entry being executed (read by the watchdog and error messages)
+    pc: int = -1  # the plan entry being executed, len(plan) at the end of the step (watchdog, error messages)
+    waiting: int = -1  # the plan entry of the batch being waited for, or -1
+    outstanding: dict = field(default_factory=dict)  # plan entry -> Posted, in posting order
+    plan: list = field(default_factory=list)  # the entries being run
 
     @property
     def last_stage(self) -> int:
@@ -191,28 +197,56 @@ DISPATCH: dict[Kind, Callable] = {
 # --- plan entries: one compute instruction (an Overlap runs its halves in order), or one p2p batch -------
 
 
-def compute(ctx: Context, actions: tuple[Action, ...]) -> None:
-    for action in actions:
+class Posted(NamedTuple):
+    """A batch posted and not yet waited for."""
+
+    works: list  # what batch_isend_irecv returned
+    sends: list  # the sent tensors, kept alive until the batch is waited for
+    arrivals: list  # (box, key, tensor) of each receive: the tensor goes into its box once the batch completed
+
+
+def compute(ctx: Context, entry: Entry) -> None:
+    for batch in entry.waits:  # the batches holding this instruction's receives (gone if already waited for)
+        if batch in ctx.outstanding:
+            complete(ctx, batch)
+    for action in entry.actions:
         DISPATCH[action.kind](ctx, action)
     live = len(ctx.saved) + (1.0 - ctx.input_fraction) * len(ctx.partial)
     if live > ctx.peak:
         ctx.peak = live
 
 
-def communicate(ctx: Context, actions: tuple[Action, ...]) -> None:
-    ops, arrivals = [], []
-    for action in actions:
+def communicate(ctx: Context, entry: Entry) -> None:
+    """Post the batch and go on: rule 1 of version 2, posting never blocks."""
+    ops, sends, arrivals = [], [], []
+    for action in entry.actions:
         op, box, key = DISPATCH[action.kind](ctx, action)
         ops.append(op)
-        if box is not None:
+        if box is None:
+            sends.append(op.tensor)
+        else:
             arrivals.append((box, key, op.tensor))
     start = perf()
-    for work in dist.batch_isend_irecv(ops):
-        work.wait(ctx.p2p_timeout)
+    ctx.outstanding[ctx.pc] = Posted(dist.batch_isend_irecv(ops), sends, arrivals)
+    elapsed = perf() - start
     if ctx.tracing:
-        ctx.events.append((actions, "comm", start, perf() - start))
-    ctx.comm_s += perf() - start
-    for box, key, tensor in arrivals:
+        ctx.events.append((entry.actions, "comm", start, elapsed))
+    ctx.comm_s += elapsed
+
+
+def complete(ctx: Context, batch: int) -> None:
+    """Wait for one posted batch (every op of it, bounded by the p2p timeout) and deliver its receives."""
+    posted = ctx.outstanding.pop(batch)
+    ctx.waiting = batch
+    start = perf()
+    for work in posted.works:
+        work.wait(ctx.p2p_timeout)
+    elapsed = perf() - start
+    ctx.waiting = -1
+    if ctx.tracing:
+        ctx.events.append((ctx.plan[batch].actions, "wait", start, elapsed))
+    ctx.comm_s += elapsed
+    for box, key, tensor in posted.arrivals:
         box[key] = tensor
 
 
@@ -224,39 +258,64 @@ def _mark(ctx: Context, action: Action, start: float) -> float:
 
 
 class Entry(NamedTuple):
-    run: Callable[[Context, tuple[Action, ...]], None]
+    run: Callable[[Context, Entry], None]
     actions: tuple[Action, ...]
     first: int  # index of its first instruction in the rank's stream (for messages)
+    waits: tuple[int, ...] = ()  # compute: plan entries of the batches holding the receives it consumes
 
     @property
     def label(self) -> str:
         return " ".join(map(str, self.actions))
 
 
+def _needs(action: Action) -> tuple | None:
+    """What a compute action consumes from a receive: RECV_F(s, m) feeds F(s, m), RECV_B(s, m) feeds B/I(s, m)."""
+    if action.kind is Kind.F:
+        return ("F", action.stage, action.mb)
+    if action.kind is Kind.B or action.kind is Kind.I:
+        return ("B", action.stage, action.mb)
+    return None
+
+
 def plan(stream: tuple[Instruction, ...]) -> list[Entry]:
-    """The stream as plan entries: each compute instruction alone, each maximal run of SEND/RECV one batch."""
+    """The stream as plan entries: each compute instruction alone, each maximal run of SEND/RECV one batch.
+    Each compute entry lists the batches it must wait for (rule 2), found once here rather than every step."""
     entries: list[Entry] = []
     batch: list[Action] = []
+    held: dict[tuple, int] = {}  # what a posted receive will provide -> the plan entry of its batch
+
+    def flush(first: int) -> None:
+        for action in batch:
+            if action.kind is Kind.RECV_F or action.kind is Kind.RECV_B:
+                held["F" if action.kind is Kind.RECV_F else "B", action.stage, action.mb] = len(entries)
+        entries.append(Entry(communicate, tuple(batch), first))
+        batch.clear()
+
     for index, instruction in enumerate(stream):
         if isinstance(instruction, Action) and instruction.kind.is_comm:
             batch.append(instruction)
             continue
         if batch:
-            entries.append(Entry(communicate, tuple(batch), index - len(batch)))
-            batch = []
+            flush(index - len(batch))
         parts = instruction.parts if isinstance(instruction, Overlap) else (instruction,)
-        entries.append(Entry(compute, parts, index))
+        waits = [held.pop(key) for key in map(_needs, parts) if key in held]
+        entries.append(Entry(compute, parts, index, tuple(dict.fromkeys(waits))))
     if batch:
-        entries.append(Entry(communicate, tuple(batch), len(stream) - len(batch)))
+        flush(len(stream) - len(batch))
     return entries
 
 
 def run(ctx: Context, entries: list[Entry], inputs: list, targets: list) -> float:
-    """One step of this rank's stream. Returns the loop's wall time."""
-    ctx.inputs, ctx.targets, ctx.loss = inputs, targets, 0.0
+    """One step of this rank's stream, ending with a wait for every batch still outstanding (rule 2: sends are
+    waited for only here, before the optimizer step). Returns the loop's wall time."""
+    ctx.inputs, ctx.targets, ctx.loss, ctx.plan = inputs, targets, 0.0, entries
+    ctx.outstanding.clear()  # only a failed step could have left any
     start = perf()
-    for ctx.pc, (step, actions, _) in enumerate(entries):
-        step(ctx, actions)
+    for ctx.pc, entry in enumerate(entries):
+        entry.run(ctx, entry)
+    ctx.pc = len(entries)
+    for batch in list(ctx.outstanding):
+        complete(ctx, batch)
     elapsed = perf() - start
     ctx.pc = -1
     leftovers = {name: sorted(box) for name, box in _boxes(ctx).items() if box}

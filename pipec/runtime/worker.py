@@ -45,7 +45,7 @@ class StepStats:
     wall_s: float  # this rank's step, optimizer included
     loop_s: float  # the interpreter loop
     compute_s: float  # inside torch compute calls of the loop
-    comm_s: float  # inside p2p batches
+    comm_s: float  # inside p2p calls: posting batches and waiting for them
     optimizer_s: float
     loss: float | None
 
@@ -126,12 +126,19 @@ class Runner:
         return StepStats(end - start, loop_s, ctx.compute_s, ctx.comm_s, end - opt_start, loss)
 
     def where(self) -> str:
-        """The current step and instruction, for error messages and the watchdog."""
-        pc = self.ctx.pc
+        """The current step and instruction (and the batch it waits for), for error messages and the watchdog."""
+        pc, waiting = self.ctx.pc, self.ctx.waiting
         if pc < 0:
             return f"step {self.step_index}, between instructions"
-        entry = self.entries[pc]
-        return f"step {self.step_index}, instruction {entry.first} ({entry.label})"
+        if pc >= len(self.entries):
+            text = f"step {self.step_index}, end of step"
+        else:
+            entry = self.entries[pc]
+            text = f"step {self.step_index}, instruction {entry.first} ({entry.label})"
+        if waiting >= 0:
+            batch = self.entries[waiting]
+            text += f", waiting for the batch at instruction {batch.first} ({batch.label})"
+        return text
 
     def state_dict(self) -> dict:
         out = {}
@@ -331,8 +338,8 @@ def _write_outputs(report: dict, events: list, weights, options: Options, say) -
 
 def write_trace(path: str, events: list, title: str) -> None:
     """The measured timeline as a Chrome trace, in the format of `pipec viz --trace` (pipec.viz.trace): one
-    track per rank, one slice per instruction (a p2p batch is one slice), an arrow from each send's batch to
-    the batch that received it."""
+    track per rank, one slice per compute instruction, two per p2p batch (posting it, "comm", and waiting for
+    it, "wait"), an arrow from each send's posting to the end of the wait that delivered it."""
     from pipec.ir import Kind
     from pipec.viz.trace import TraceEvent, TraceFlow
     from pipec.viz.trace import write_trace as write
@@ -341,12 +348,12 @@ def write_trace(path: str, events: list, title: str) -> None:
     for rank, step, actions, category, start, duration in events:
         name = " ".join(map(str, actions))
         items.append(TraceEvent(rank, name, category, start, duration, {"step": step}))
-        for stage, kind, mb in actions:
-            if kind is Kind.SEND_F:
+        for stage, kind, mb in actions:  # a send's arrow leaves when it was posted, arrives when the wait ended
+            if kind is Kind.SEND_F and category == "comm":
                 sends[step, stage + 1, "F", mb] = (rank, start + duration)
-            elif kind is Kind.SEND_B:
+            elif kind is Kind.SEND_B and category == "comm":
                 sends[step, stage - 1, "B", mb] = (rank, start + duration)
-            elif kind in (Kind.RECV_F, Kind.RECV_B):
+            elif kind in (Kind.RECV_F, Kind.RECV_B) and category == "wait":
                 receives[step, stage, kind.value[-1], mb] = (rank, start + duration)
     flows = [TraceFlow(*sends[key], *receives[key]) for key in sends if key in receives]
     try:
@@ -376,7 +383,7 @@ def progress() -> tuple | None:
     if not _CURRENT or _CURRENT[-1].ctx.pc < 0:
         return None
     runner = _CURRENT[-1]
-    return (id(runner), runner.step_index, runner.ctx.pc)
+    return (id(runner), runner.step_index, runner.ctx.pc, runner.ctx.waiting)
 
 
 def rank_or_unknown() -> str:

@@ -23,12 +23,12 @@ Peak activation memory comes from the one liveness function, ``pipec.verify.memo
 
 from __future__ import annotations
 
-import gc
 from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pipec.errors import PipecInputError, ScheduleError
+from pipec.gcpause import without_cyclic_gc
 from pipec.ir import Action, Instruction, Kind, Program
 from pipec.sim.costs import DEFAULT_COSTS, Costs
 from pipec.verify.memory import peak_activations
@@ -150,17 +150,13 @@ def simulate(
     """
     # The run keeps one small record per message until the end; the cyclic garbage collector would rescan them
     # again and again (it halves the speed at 800k instructions) and nothing here forms a cycle.
-    collecting = gc.isenabled()
-    gc.disable()
     try:
-        return _simulate(program, costs, record, input_fraction, p2p)
+        with without_cyclic_gc():
+            return _simulate(program, costs, record, input_fraction, p2p)
     except IndexError:  # a stage index beyond the placement; the structure check names it precisely
         raise ScheduleError(
             "an instruction names a stage outside the schedule's placement (run `pipec check` for details)"
         ) from None
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def _simulate(program: Program, costs: Costs, record: bool, input_fraction: float | None, p2p: str) -> SimResult:

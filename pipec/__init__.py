@@ -1,7 +1,7 @@
 """pipec: a compiler for pipeline-parallel training schedules.
 
 import pipec
-program = pipec.compile("1f1b", ranks=4, microbatches=8)
+program = pipec.compile("my_schedule.pipe", ranks=4, microbatches=8)
 program.streams[rank]      # that rank's instructions, in order
 program.check()            # raises pipec.ScheduleError when the schedule is invalid
 """

@@ -136,6 +136,15 @@ class Program:
     def stages_of(self, rank: int) -> tuple[int, ...]:
         return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
 
+    def stage_chunks(self) -> tuple[int, ...]:
+        """Stage -> its chunk number on its rank (0 for the rank's first stage), as `F[c]` counts them."""
+        seen: dict[int, int] = {}
+        out = []
+        for rank in self.stage_to_rank:
+            out.append(seen.get(rank, 0))
+            seen[rank] = out[-1] + 1
+        return tuple(out)
+
     def compute_streams(self) -> tuple[tuple[Instruction, ...], ...]:
         """The streams without send/recv instructions."""
         return tuple(

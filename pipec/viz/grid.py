@@ -14,7 +14,7 @@ import math
 def render_grid(result, max_columns: int = 400) -> str:
     program = result.program
     chunked = program.chunks > 1
-    chunk_of = _chunk_index(program)
+    chunk_of = program.stage_chunks()
     widths = [op.end - op.start for line in result.timeline for op in line if not op.is_comm and op.end > op.start]
     slot = min(widths, default=1.0)
     columns = math.ceil(result.makespan / slot - 1e-9) if result.makespan else 0
@@ -51,11 +51,3 @@ def _label(action, chunk_of, chunked: bool) -> str:
     text = f"{action.kind.value}{action.mb}"
     return f"{text}.{chunk_of[action.stage]}" if chunked else text
 
-
-def _chunk_index(program) -> list[int]:
-    seen: dict[int, int] = {}
-    out = []
-    for rank in program.stage_to_rank:
-        out.append(seen.get(rank, 0))
-        seen[rank] = seen.get(rank, 0) + 1
-    return out

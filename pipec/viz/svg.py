@@ -37,7 +37,7 @@ def render_svg(result, arrows: bool = False, title: str | None = None, width: in
     """An SVG document for ``result`` (a SimResult recorded with ``record=True``)."""
     program = result.program
     P, V = program.ranks, max(1, program.chunks)  # noqa: N806 - the papers' names
-    chunk_of = _chunk_index(program)
+    chunk_of = program.stage_chunks()
     makespan = result.makespan or 1.0
     scale = (width - _LEFT - 20) / makespan
     height = _TOP + P * (_ROW + _GAP) + 70
@@ -104,15 +104,6 @@ def _box(action: Action, x, y, w, h, chunk_of, chunks, font, start, end, detaile
         f'stroke-width="0.6"><title>{action} (chunk {chunk}) {start:g}-{end:g}</title></rect>{label}</g>'
     )
 
-
-def _chunk_index(program) -> list[int]:
-    """Stage -> its chunk number on its rank (0 for the rank's first stage)."""
-    seen: dict[int, int] = {}
-    out = []
-    for rank in program.stage_to_rank:
-        out.append(seen.get(rank, 0))
-        seen[rank] = seen.get(rank, 0) + 1
-    return out
 
 
 def _min_width(result) -> float:

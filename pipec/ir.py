@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, NamedTuple
 from pipec.errors import PipecSyntaxError
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import networkx as nx
 
 
@@ -154,11 +156,26 @@ class Program:
     def with_streams(self, streams: tuple[tuple[Instruction, ...], ...], has_comms: bool) -> Program:
         return replace(self, streams=streams, has_comms=has_comms)
 
-    def check(self, p2p: str = "nccl", memory_limit: int | None = None):
-        """Run every verification pass; raises ScheduleError when the schedule is invalid."""
-        from pipec.verify import verify
+    def check(
+        self,
+        p2p: str = "nccl",
+        memory_limit: float | None = None,
+        input_fraction: float | None = None,
+        stage_sizes: Sequence[float] | None = None,
+    ):
+        """Run every verification pass; raises ScheduleError when the schedule is invalid.
 
-        report = verify(self, p2p=p2p, memory_limit=memory_limit)
+        ``input_fraction`` (the share of activations I frees, default 0.5) and ``stage_sizes`` (activations per
+        stage, default 1 each) are the memory model, as for ``pipec.verify.verify``.
+        """
+        from pipec.verify import verify
+        from pipec.verify.memory import DEFAULT_INPUT_FRACTION
+
+        if input_fraction is None:
+            input_fraction = DEFAULT_INPUT_FRACTION
+        report = verify(
+            self, p2p=p2p, memory_limit=memory_limit, input_fraction=input_fraction, stage_sizes=stage_sizes
+        )
         report.raise_if_failed()
         return report
 

@@ -1,19 +1,22 @@
 """An independent executor for per-rank instruction streams, used only by the tests as a cross-check.
 
-It shares nothing with pipec.verify: no dependency graph, no int keys, no precomputed waits. It plays the
-runtime's rule (docs/verification.md) literally, one lockstep round after another:
+It shares nothing with pipec.verify: no dependency graph, no int keys, no precomputed waits. It plays version 2
+of the point-to-point rule (docs/verification.md) literally, one lockstep round after another:
 - each rank holds the tensors it has: `act s m` (output of F(s, m)), `grad s m` (input gradient from B/I(s, m)),
-  `wgrad-ready s m` (I(s, m) ran, so W(s, m) may run); a compute instruction runs when what it reads is held;
-- a maximal run of SEND/RECV instructions is one batch: a rank reaching it posts all of its ops at once, and
-  moves past it when every op of the batch has completed and it holds every tensor the batch sends (a send of a
-  tensor computed later on the rank leaves the rank stuck there);
-- `nccl`: per ordered pair of ranks, the k-th posted send meets the k-th posted receive; both complete when both
-  are posted; if they name different messages the receive still completes (NCCL would deliver the wrong tensor)
-  and the mismatch is recorded;
+  `wgrad-ready s m` (I(s, m) ran, so W(s, m) may run); a compute instruction runs when what it reads is held,
+  and a received tensor is held only once the batch that received it has completed;
+- a maximal run of SEND/RECV instructions is one batch: a rank reaching it posts all of its ops at once and moves
+  on without waiting (it cannot post a send of a tensor it does not hold: it stays there);
+- `nccl`: a rank's posted batches run one at a time in posting order (a batch starts once the one before it
+  completed); per ordered pair of ranks, the k-th posted send meets the k-th posted receive; an op completes
+  once its counterpart's batch is running too; a batch completes when all of its ops have. If the pair names
+  different messages the receive still completes (NCCL would deliver the wrong tensor) and the mismatch is
+  recorded;
 - `tagged`: a posted send completes at once and leaves its message in the receiver's mailbox; a receive
-  completes once its message is there;
+  completes once its message is there; batches complete in any order;
+- a rank is finished when it reached the end of its stream and every batch it posted completed;
 - a program without send/recv instructions reads other ranks' tensors directly (one shared store).
-The run ends when a round makes no progress: it completed if every rank reached the end of its stream.
+The run ends when a round makes no progress: it completed if every rank finished.
 """
 
 from __future__ import annotations
@@ -73,6 +76,15 @@ def _message(action: Action) -> tuple:
     return ("grad", stage + 1, mb)  # RECV_B
 
 
+class Batch:
+    """A posted batch: its ops as [action, rank, op index, completed, is a send, peer], running and completed."""
+
+    def __init__(self, entries: list[list]) -> None:
+        self.entries = entries
+        self.running = False
+        self.completed = False
+
+
 def run(program: Program, model: str) -> Outcome:
     assert model in ("nccl", "tagged")
     streams = [list(s) for s in program.streams]
@@ -83,26 +95,26 @@ def run(program: Program, model: str) -> Outcome:
     common: set[tuple] = set()
     stores: list[set[tuple]] = [common if shared else set() for _ in range(ranks)]
     pc = [0] * ranks
-    posted_at = [-1] * ranks  # the batch start this rank has posted, if any
-    # nccl: channel -> list of posted sends / receives, as [message, rank, done-flag holder]
-    send_q: dict[tuple[int, int], list[list]] = {}
-    recv_q: dict[tuple[int, int], list[list]] = {}
+    batches: list[list[Batch]] = [[] for _ in range(ranks)]  # every batch each rank posted, in order
+    first_open = [0] * ranks  # the first batch of each rank not known to be complete (a shortcut, no semantics)
+    # nccl: channel -> posted sends / receives in posting order, each (entry, its batch)
+    send_q: dict[tuple[int, int], list[tuple[list, Batch]]] = {}
+    recv_q: dict[tuple[int, int], list[tuple[list, Batch]]] = {}
     mailbox: list[Counter] = [Counter() for _ in range(ranks)]
-    batch_ops: list[list[list]] = [[] for _ in range(ranks)]  # the posted entries of each rank's current batch
     mismatches: list[str] = []
+    matched: Counter = Counter()
+    pairs: list[tuple[tuple[list, Batch], tuple[list, Batch]]] = []
 
     def is_comm(instruction) -> bool:
         return isinstance(instruction, Action) and instruction.kind.is_comm
 
-    def batch_end(rank: int, start: int) -> int:
-        end = start
-        while end < len(streams[rank]) and is_comm(streams[rank][end]):
-            end += 1
-        return end
-
     def post(rank: int, start: int, end: int) -> bool:
         ops = streams[rank][start:end]
+        for op in ops:  # a send needs its tensor on this rank
+            if op.kind in (Kind.SEND_F, Kind.SEND_B) and any(r not in stores[rank] for r in _reads(op, last)):
+                return False
         entries = []
+        batch = Batch(entries)
         for index, op in enumerate(ops, start):
             sending = op.kind in (Kind.SEND_F, Kind.SEND_B)
             peer = place[op.stage + 1] if op.kind in (Kind.SEND_F, Kind.RECV_B) else place[op.stage - 1]
@@ -114,41 +126,67 @@ def run(program: Program, model: str) -> Outcome:
                     entry[3] = True
             else:
                 channel = (rank, peer) if sending else (peer, rank)
-                (send_q if sending else recv_q).setdefault(channel, []).append(entry)
-        batch_ops[rank] = entries
+                (send_q if sending else recv_q).setdefault(channel, []).append((entry, batch))
+        batches[rank].append(batch)
         return True
 
-    matched: Counter = Counter()  # per channel, how many send/receive pairs have met
+    def settle(rank: int) -> bool:
+        """Move this rank's batches along; True if anything changed."""
+        changed = False
+        rank_batches = batches[rank]
+        while first_open[rank] < len(rank_batches) and rank_batches[first_open[rank]].completed:
+            first_open[rank] += 1
+        for k in range(first_open[rank], len(rank_batches)):
+            batch = rank_batches[k]
+            if batch.completed:
+                continue
+            if model == "nccl":
+                if not batch.running:
+                    if k == 0 or batches[rank][k - 1].completed:
+                        batch.running = True
+                        changed = True
+                    else:
+                        break
+            else:
+                batch.running = True
+                for entry in batch.entries:
+                    if not entry[3] and mailbox[rank][_message(entry[0])] > 0:
+                        mailbox[rank][_message(entry[0])] -= 1
+                        entry[3] = True
+                        changed = True
+            if all(entry[3] for entry in batch.entries):
+                batch.completed = True
+                for entry in batch.entries:
+                    if not entry[4]:
+                        stores[rank].add(_message(entry[0]))
+                changed = True
+            elif model == "nccl":
+                break  # the next batch cannot start before this one completes
+        return changed
 
-    def settle_nccl() -> None:
+    def match_nccl() -> bool:
+        changed = False
         for channel, sends in send_q.items():
             recvs = recv_q.get(channel, [])
             while matched[channel] < min(len(sends), len(recvs)):
-                send, recv = sends[matched[channel]], recvs[matched[channel]]
+                pair = (sends[matched[channel]], recvs[matched[channel]])
                 matched[channel] += 1
-                send[3] = recv[3] = True
+                pairs.append(pair)
+                (send, _), (recv, _) = pair
                 if _message(send[0]) != _message(recv[0]):
                     mismatches.append(
                         f"rank {send[1]} op {send[2]} {send[0]} met rank {recv[1]} op {recv[2]} {recv[0]}"
                     )
-
-    def try_complete(rank: int) -> bool:
-        entries = batch_ops[rank]
-        if model == "tagged":
-            for entry in entries:
-                if not entry[3]:
-                    message = _message(entry[0])
-                    if mailbox[rank][message] > 0:
-                        mailbox[rank][message] -= 1
-                        entry[3] = True
-        if not all(entry[3] for entry in entries):
-            return False
-        if any(r not in stores[rank] for entry in entries for r in _reads(entry[0], last)):
-            return False  # it sent a tensor it never held: this rank cannot get past the batch
-        for entry in entries:
-            if not entry[4]:
-                stores[rank].add(_message(entry[0]))
-        return True
+        waiting = []
+        for pair in pairs:
+            (send, send_batch), (recv, recv_batch) = pair
+            if send_batch.running and recv_batch.running:
+                send[3] = recv[3] = True
+                changed = True
+            else:
+                waiting.append(pair)
+        pairs[:] = waiting
+        return changed
 
     rounds = 0
     progress = True
@@ -157,29 +195,26 @@ def run(program: Program, model: str) -> Outcome:
         rounds += 1
         for rank in range(ranks):
             stream = streams[rank]
-            if pc[rank] >= len(stream):
-                continue
-            instruction = stream[pc[rank]]
-            if is_comm(instruction):
-                start = pc[rank]
-                end = batch_end(rank, start)
-                if posted_at[rank] != start:
-                    if not post(rank, start, end):
-                        continue
-                    posted_at[rank] = start
-                    progress = True
-                if model == "nccl":
-                    settle_nccl()
-                if try_complete(rank):
-                    pc[rank] = end
-                    progress = True
-                continue
-            parts = instruction.parts
-            if all(r in stores[rank] for action in parts for r in _reads(action, last)):
-                for action in parts:
-                    stores[rank].update(_produces(action))
-                pc[rank] += 1
+            if pc[rank] < len(stream):
+                instruction = stream[pc[rank]]
+                if is_comm(instruction):
+                    end = pc[rank]
+                    while end < len(stream) and is_comm(stream[end]):
+                        end += 1
+                    if post(rank, pc[rank], end):
+                        pc[rank] = end
+                        progress = True
+                else:
+                    parts = instruction.parts
+                    if all(r in stores[rank] for action in parts for r in _reads(action, last)):
+                        for action in parts:
+                            stores[rank].update(_produces(action))
+                        pc[rank] += 1
+                        progress = True
+            if model == "nccl" and match_nccl():
+                progress = True
+            if settle(rank):
                 progress = True
     positions = tuple(pc)
-    completed = all(pc[r] == len(streams[r]) for r in range(ranks))
+    completed = all(pc[r] == len(streams[r]) and all(b.completed for b in batches[r]) for r in range(ranks))
     return Outcome(completed, positions, mismatches, rounds)

@@ -4,27 +4,42 @@ Contract (Program -> Program, compute-only in, with comms out):
 - which messages: SEND_F(s, m) on the rank of stage s and RECV_F(s+1, m) on the rank of stage s+1 when the two
   stages live on different ranks and F(s, m) runs; SEND_B(s, m) and RECV_B(s-1, m) likewise when B/I(s, m) runs
   and stage s-1 lives elsewhere. W never communicates; stages on the same rank exchange nothing.
-- where: the compute streams are replayed in lockstep rounds, ranks in order within a round, each rank running
-  its next compute instruction once its inputs have been computed (F(s, m) after F(s-1, m), B/I(s, m) after
-  F(s, m) and the backward of (s+1, m), W(s, m) after I(s, m)). When an instruction runs, its SENDs (in the order
-  of its halves) are appended to its own rank's stream right after it, and the matching RECVs are appended to
-  the receiving ranks' streams at that same moment. So a message is posted by both of its ranks at the same
-  point of one global order, every receive comes before the compute that needs it, and each channel carries its
-  messages in the same order on both sides (the nccl model's order rule holds by construction).
+- where: a *timed replay*. The compute orders are list-scheduled with the default costs (F=1, B=2, I=1, W=1, an
+  overlapped pair the sum of its halves, messages free): each instruction starts once its rank is free and its
+  inputs exist (F(s, m) after F(s-1, m), B/I(s, m) after F(s, m) and the backward of (s+1, m), W(s, m) after
+  I(s, m)). Every message gets the time its producer ends. Each rank's stream is then its items sorted by one key:
+  a compute instruction at (start, 1, rank-local index), a SEND or RECV at (message time, 0, message id), the
+  message id being the same number on both ranks. So a receive comes before the compute that needs it (its time
+  is <= that compute's start, and communication sorts first at equal times), a send comes after the compute that
+  produced it, and each channel carries its messages in the same order on both sides (the nccl model's order rule
+  holds by construction). Receives sit at the moment their data exist, not grouped with ones needed later, which
+  is what lets the simulator reach the compute order's own makespan (docs/simulator.md).
+- why it cannot deadlock under rule version 2 (docs/verification.md) when the compute order is valid: show by
+  induction on the key that every item completes (a compute runs, a send/recv op completes). Take an item with
+  key k, everything with a smaller key done. A compute waits only for the batches holding its receives; they
+  stand before it in its stream, so all their ops have keys < k and are done. A send/recv op completes once its
+  batch and its counterpart's batch (same key k on the peer) are running; a batch runs once posted (the rank got
+  past every compute before it: keys < k, done) and once the rank's previous batch completed (keys < k, done).
+  So both batches run and the op completes; the end of the step then finds every batch complete. The same
+  induction works for ``tagged`` (fewer waits) and for version 1 (a rank waits for each whole batch, sends
+  included): every unit before an item holds only smaller keys. Each wait points to an item with a smaller key,
+  or to the counterpart with the same key on a peer that can only be held up by smaller keys.
+- the replay is linear in the instructions (a worklist woken by the value each rank waits for), the sort
+  n log n per rank.
 - if the replay stops because no rank can run its next instruction (the compute order itself deadlocks, or an
-  input is never computed), the rest of each stream keeps the plain rule: the RECVs of an instruction whose
-  inputs were not computed before it, then the instruction, then its SENDs. The verifier then reports the
-  deadlock with its chain of waits.
-The relative order of compute instructions is unchanged. Under the runtime's batching rule (docs/verification.md:
-a maximal run of sends/receives is one batch_isend_irecv, waited for as a whole) the result cannot deadlock when
-the compute order is valid: the op with the earliest global position among all stuck ops would have its
-counterpart posted, and a blocked op always points at a stuck op that is earlier still.
+  input is never computed), the streams keep the timed part for what ran (with every message it produced) and
+  the rest keeps the plain rule: the RECVs of an instruction whose inputs were not computed before it, then the
+  instruction, then its SENDs. The verifier then reports the deadlock with its chain of waits.
+The relative order of compute instructions is unchanged.
 """
 
 from __future__ import annotations
 
 from pipec.errors import PipecInputError
 from pipec.ir import Action, Instruction, Kind, Program
+
+# the default costs of pipec.sim (messages free): the replay times the compute orders with them
+_DURATION = {Kind.F: 1, Kind.B: 2, Kind.I: 1, Kind.W: 1}
 
 
 def insert_p2p_ops(program: Program) -> Program:
@@ -33,65 +48,102 @@ def insert_p2p_ops(program: Program) -> Program:
     where = program.stage_to_rank
     last = program.num_stages - 1
     streams = program.streams
-    out: list[list[Instruction]] = [[] for _ in streams]
+    ranks = len(streams)
     # Keys are plain (stage, tag, mb) tuples: hashing an Action would run Enum.__hash__ in Python. Tags: F the
-    # forward ran, G the input gradient exists (B or I ran), I the I ran (W may run).
-    done: set[tuple[int, str, int]] = set()
+    # forward ran, G the input gradient exists (B or I ran), I the I ran (W may run). Value: when it ends.
+    done: dict[tuple[int, str, int], int] = {}
     # per stage, the rank its output goes to (forward: stage + 1, backward: stage - 1), None at the ends
     forward_to = [where[s + 1] if s < last else None for s in range(last + 1)]
     backward_to = [where[s - 1] if s > 0 else None for s in range(last + 1)]
     new = tuple.__new__  # builds an Action without the NamedTuple's Python-level __new__ (800k of them at scale)
     f, b, i_ = Kind.F, Kind.B, Kind.I
     send_f, recv_f, send_b, recv_b = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
+    n_mb = 1 + max((a.mb for stream in streams for ins in stream for a in ins.parts), default=0)
+    # per rank, (sort key, instruction). The key (time, 0 for a message / 1 for a compute, message id / index)
+    # packed in one int, unique on its rank, so that the sort compares ints only.
+    span = max(2 * n_mb * (last + 1), max((len(s) for s in streams), default=0)) + 1
+    items: list[list[tuple[int, Instruction]]] = [[] for _ in streams]
 
-    def run(rank: int, instruction: Instruction) -> None:
-        mine = out[rank]
-        mine.append(instruction)
-        for stage, kind, mb in (instruction,) if type(instruction) is Action else instruction.parts:
+    def run(rank: int, index: int, instruction: Instruction, start: int) -> list[tuple[int, str, int]]:
+        """Time one instruction; its messages go to both ranks' items. Returns the keys it made."""
+        mine = items[rank]
+        mine.append((((start << 1) | 1) * span + index, instruction))
+        if type(instruction) is Action:
+            parts: tuple[Action, ...] = (instruction,)
+            end = start + _DURATION.get(instruction[1], 0)
+        else:
+            parts = instruction.parts
+            end = start + sum(_DURATION.get(kind, 0) for _, kind, _ in parts)
+        at = (end << 1) * span  # messages sort before computes at equal times
+        made = []
+        for stage, kind, mb in parts:
             if kind is f:
-                done.add((stage, "F", mb))
+                made.append((stage, "F", mb))
                 peer = forward_to[stage] if 0 <= stage <= last else None
                 if peer is not None and peer != rank:
-                    mine.append(new(Action, (stage, send_f, mb)))
-                    out[peer].append(new(Action, (stage + 1, recv_f, mb)))
+                    key = at + (stage * n_mb + mb) * 2  # the same message id on both ranks
+                    mine.append((key, new(Action, (stage, send_f, mb))))
+                    items[peer].append((key, new(Action, (stage + 1, recv_f, mb))))
             elif kind is b or kind is i_:
-                done.add((stage, "G", mb))
+                made.append((stage, "G", mb))
                 if kind is i_:
-                    done.add((stage, "I", mb))
+                    made.append((stage, "I", mb))
                 peer = backward_to[stage] if 0 <= stage <= last else None
                 if peer is not None and peer != rank:
-                    mine.append(new(Action, (stage, send_b, mb)))
-                    out[peer].append(new(Action, (stage - 1, recv_b, mb)))
+                    key = at + (stage * n_mb + mb) * 2 + 1
+                    mine.append((key, new(Action, (stage, send_b, mb))))
+                    items[peer].append((key, new(Action, (stage - 1, recv_b, mb))))
+        for key in made:
+            done[key] = end
+        free[rank] = end
+        return made
 
-    position = [0] * len(streams)
-    waiting = [_needs(stream[0], last) if stream else () for stream in streams]  # what each next instruction reads
-    active = [rank for rank, stream in enumerate(streams) if stream]
-    while active:
-        progress = False
-        for rank in active:
-            if done.issuperset(waiting[rank]):
-                stream, k = streams[rank], position[rank]
-                run(rank, stream[k])
-                position[rank] = k = k + 1
-                if k < len(stream):
-                    waiting[rank] = _needs(stream[k], last)
-                progress = True
-        active = [rank for rank in active if position[rank] < len(streams[rank])]
-        if not progress:
-            break
+    # The list schedule: a rank runs instructions while their inputs exist; one that waits registers on the first
+    # missing key and is woken when it is made. Start times do not depend on the order ranks are visited in.
+    position = [0] * ranks
+    free = [0] * ranks
+    waiting: dict[tuple[int, str, int], list[int]] = {}
+    ready = list(range(ranks))
+    while ready:
+        rank = ready.pop()
+        stream, k = streams[rank], position[rank]
+        while k < len(stream):
+            instruction = stream[k]
+            start = free[rank]
+            missing = None
+            for key in _needs(instruction, last):
+                when = done.get(key)
+                if when is None:
+                    missing = key
+                    break
+                if when > start:
+                    start = when
+            if missing is not None:
+                waiting.setdefault(missing, []).append(rank)
+                break
+            for key in run(rank, k, instruction, start):
+                woken = waiting.pop(key, None)
+                if woken:
+                    ready.extend(woken)
+            k += 1
+        position[rank] = k
 
-    # The replay stopped early only if the compute order cannot run: place the rest by the plain rule.
-    for rank, stream in enumerate(streams):
-        for instruction in stream[position[rank] :]:
+    out: list[list[Instruction]] = []
+    for rank, rank_items in enumerate(items):
+        rank_items.sort()  # keys are unique on a rank: the instructions are never compared
+        placed = [instruction for _, instruction in rank_items]
+        # The replay stopped early only if the compute order cannot run: place the rest by the plain rule.
+        for instruction in streams[rank][position[rank] :]:
             for action in instruction.parts:
                 receive = _remote_input(action, rank, where, last)
                 if receive is not None and _producer(action) not in done:
-                    out[rank].append(receive)
-            out[rank].append(instruction)
+                    placed.append(receive)
+            placed.append(instruction)
             for action in instruction.parts:
                 message = _remote_output(action, rank, where, last)
                 if message is not None:
-                    out[rank].append(message[0])
+                    placed.append(message[0])
+        out.append(placed)
     return program.with_streams(tuple(tuple(s) for s in out), has_comms=True)
 
 

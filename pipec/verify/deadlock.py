@@ -22,10 +22,10 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass
-from itertools import compress, repeat
+from typing import NamedTuple
 
 from pipec.ir import Action, Kind, Program
-from pipec.verify.flat import RECV_F, B, F, Flat, I, W, flatten
+from pipec.verify.flat import RECV_B, RECV_F, SEND_F, B, F, Flat, I, W, flatten
 
 MODELS = ("nccl", "tagged")
 
@@ -112,8 +112,6 @@ def _build_waits(program: Program, model: str, flat: Flat, units: Units) -> tupl
     of the same name for a tagged receive) and the only waits on a rank's own ops are the few `flat.local` found
     out of order. A compute-only program waits on the computes it reads, wherever they run.
     """
-    if program.has_comms:
-        return _message_waits(program, model, flat, units)
     return _data_waits(program, flat, units)
 
 
@@ -155,51 +153,9 @@ def _data_waits(program: Program, flat: Flat, units: Units) -> tuple[tuple[tuple
     return tuple(result)
 
 
-def _message_waits(program: Program, model: str, flat: Flat, units: Units) -> tuple[list[list[Wait] | None], ...]:
-    """Per rank, per unit, its waits or None (lists indexed by unit: cheaper than a dict per rank at 800k ops)."""
-    unit_of, where = flat.unit_of, flat.where
-    all_waits: list[list[list[Wait] | None]] = [[None] * (len(starts) - 1) for starts in flat.starts]
-
-    def add(rank: int, unit: int, wait: Wait) -> None:
-        found = all_waits[rank][unit]
-        if found is None:
-            all_waits[rank][unit] = [wait]
-        else:
-            found.append(wait)
-
-    for rank, index, need in flat.local:  # never satisfied: the op it needs is later on this rank, or elsewhere
-        hit = next((where[k] for k in need if k in where), None)
-        if hit is not None:
-            q, j = hit
-            add(rank, unit_of[rank][index], (q, unit_of[q][j] + 1, j, index))
-    if model == "nccl":  # every send/recv waits for the op it meets on its channel to be posted
-        for (src, dst), (sends, recvs) in channels(program, flat).items():
-            src_of, dst_of, src_waits, dst_waits = unit_of[src], unit_of[dst], all_waits[src], all_waits[dst]
-            for (i, _), (j, _) in zip(sends, recvs, strict=False):
-                su, du = src_of[i], dst_of[j]
-                found = src_waits[su]
-                if found is None:
-                    src_waits[su] = [(dst, du, j, i)]
-                else:
-                    found.append((dst, du, j, i))
-                found = dst_waits[du]
-                if found is None:
-                    dst_waits[du] = [(src, su, i, j)]
-                else:
-                    found.append((src, su, i, j))
-    else:  # tagged: a receive waits for the send of its message to be posted
-        step = flat.mbs * 8
-        for (_, dst), (_, recvs) in channels(program, flat).items():
-            for j, key in recvs:
-                sender = key - step - 1 if key & 7 == RECV_F else key + step - 1
-                hit = where.get(sender)
-                if hit is not None:
-                    q, i = hit
-                    add(dst, unit_of[dst][j], (q, unit_of[q][i], i, j))
-    return tuple(all_waits)
-
-
-def execute(program: Program, model: str = "nccl", flat: Flat | None = None, timed: bool = True) -> Execution:
+def execute(
+    program: Program, model: str = "nccl", flat: Flat | None = None, timed: bool = True
+) -> Execution | Run2:
     """Run the streams under `model` to the unique point where no rank can move.
 
     `timed` also records the lockstep step at which each unit finishes (for the grid); the untimed run skips
@@ -208,6 +164,8 @@ def execute(program: Program, model: str = "nccl", flat: Flat | None = None, tim
     if model not in MODELS:
         raise ValueError(f"unknown p2p model {model!r}; expected one of {', '.join(MODELS)}")
     flat = flat or flatten(program)
+    if program.has_comms:
+        return execute2(program, model, flat)
     units = cut_units(flat)
     waits = _build_waits(program, model, flat, units)
     ranks = len(program.streams)
@@ -265,78 +223,6 @@ def execute(program: Program, model: str = "nccl", flat: Flat | None = None, tim
     return Execution(model, units, tuple(position), blocked, tuple(tuple(f) for f in finish), waits)
 
 
-def _runs_to_the_end(program: Program, model: str, flat: Flat) -> bool:
-    """The same run as `execute` for a program with send/recv, on flat arrays (the common, passing case).
-
-    Each send/recv op gets its partner's rank and unit in per-rank arrays, filled by `map` over the channels (C
-    loops, no tuple per message); only units holding send/recv ops or a local wait are ever looked at.
-    """
-    starts, unit_of, where = flat.starts, flat.unit_of, flat.where
-    ranks = len(starts)
-    ends = [len(s) - 1 for s in starts]  # number of units per rank
-    partner_rank = [[-1] * s[-1] for s in starts]
-    partner_unit = [[0] * s[-1] for s in starts]
-    marked = [bytearray(end) for end in ends]  # units that hold a send/recv
-    exhaust = deque(maxlen=0).extend  # runs a map to the end without keeping anything
-
-    def link(rank: int, ops: list[int], peer: int, peer_units) -> None:
-        exhaust(map(partner_rank[rank].__setitem__, ops, repeat(peer, len(ops))))
-        exhaust(map(partner_unit[rank].__setitem__, ops, peer_units))
-
-    for (src, dst), (sends, recvs) in flat.channels.items():
-        send_ops, recv_ops = [i for i, _ in sends], [j for j, _ in recvs]
-        exhaust(map(marked[src].__setitem__, map(unit_of[src].__getitem__, send_ops), repeat(1)))
-        exhaust(map(marked[dst].__setitem__, map(unit_of[dst].__getitem__, recv_ops), repeat(1)))
-        if model == "nccl":  # the k-th send meets the k-th receive; each waits for the other to be posted
-            k = min(len(send_ops), len(recv_ops))
-            link(src, send_ops[:k], dst, map(unit_of[dst].__getitem__, recv_ops[:k]))
-            link(dst, recv_ops[:k], src, map(unit_of[src].__getitem__, send_ops[:k]))
-        else:  # tagged: a receive waits for the send of its message to be posted
-            step = flat.mbs * 8
-            for j, key in recvs:
-                hit = where.get(key - step - 1 if key & 7 == RECV_F else key + step - 1)
-                if hit is not None:
-                    partner_rank[dst][j], partner_unit[dst][j] = hit[0], unit_of[hit[0]][hit[1]]
-    local: list[dict[int, list[tuple[int, int]]]] = [{} for _ in range(ranks)]
-    for rank, index, need in flat.local:
-        hit = next((where[k] for k in need if k in where), None)
-        if hit is not None:
-            unit = unit_of[rank][index]
-            local[rank].setdefault(unit, []).append((hit[0], unit_of[hit[0]][hit[1]] + 1))
-            marked[rank][unit] = 1
-    checks = [list(compress(range(end), flags)) for end, flags in zip(ends, marked, strict=True)]
-    position, cursor = [0] * ranks, [0] * ranks
-    sleeping: list[list[tuple[int, int]]] = [[] for _ in range(ranks)]
-    ready = deque(range(ranks))
-    while ready:
-        rank = ready.popleft()
-        check, k = checks[rank], cursor[rank]
-        rank_starts, ranks_of, units_of, rank_local = starts[rank], partner_rank[rank], partner_unit[rank], local[rank]
-        while k < len(check):
-            unit = check[k]
-            for i in range(rank_starts[unit], rank_starts[unit + 1]):
-                q = ranks_of[i]
-                if q >= 0 and position[q] < units_of[i]:
-                    heapq.heappush(sleeping[q], (units_of[i], rank))
-                    break
-            else:
-                waiting = next(
-                    (w for w in rank_local.get(unit, ()) if (unit if w[0] == rank else position[w[0]]) < w[1]), None
-                )
-                if waiting is None:
-                    k += 1
-                    continue
-                if waiting[0] != rank:  # an op of its own that comes later can never run: no wake-up
-                    heapq.heappush(sleeping[waiting[0]], (waiting[1], rank))
-            break
-        cursor[rank] = k
-        position[rank] = check[k] if k < len(check) else ends[rank]
-        heap = sleeping[rank]
-        while heap and heap[0][0] <= position[rank]:
-            ready.append(heapq.heappop(heap)[1])
-    return position == ends
-
-
 def _jumps(rank_waits: tuple[tuple[Wait, ...], ...]) -> list[int]:
     """For each unit, the first unit at or after it that waits for anything (len(rank_waits) if none)."""
     out = [0] * (len(rank_waits) + 1)
@@ -354,8 +240,13 @@ def check_deadlock(program: Program, p2p: str = "nccl", flat: Flat | None = None
     if p2p not in MODELS:
         raise ValueError(f"unknown p2p model {p2p!r}; expected one of {', '.join(MODELS)}")
     flat = flat or flatten(program)
-    if program.has_comms and _runs_to_the_end(program, p2p, flat):
-        return []
+    if program.has_comms:
+        run2 = execute2(program, p2p, flat)
+        if not run2.blocked:
+            return []
+        from pipec.verify.explain import explain_deadlock2
+
+        return explain_deadlock2(program, run2).splitlines()
     run = execute(program, p2p, flat, timed=False)
     if not run.stuck:
         return []
@@ -363,3 +254,277 @@ def check_deadlock(program: Program, p2p: str = "nccl", flat: Flat | None = None
     from pipec.verify.explain import explain_deadlock
 
     return explain_deadlock(program, run).splitlines()
+
+
+# ---- rule version 2: programs with send/recv -------------------------------------------------------------------
+
+
+class Blocked(NamedTuple):
+    """Why a rank cannot finish under rule version 2.
+
+    ``at``: the op index its host stands at (len(stream) when it reached the end of the step). ``state``:
+    ``compute`` (a compute waiting for the batch holding one of its receives), ``local`` (an op waiting for one of
+    its own later ops, or for a compute on another rank), ``end`` (the end of the step, waiting for every batch).
+    ``batch``: the batch waited for (index among the rank's batches), -1 for ``local``; ``behind``: the earlier
+    batch of the rank it is queued behind (nccl), or -1. ``op``: the op of the blocking batch that cannot
+    complete (or, for ``local``, the op that waits). ``peer``/``peer_op``: what that op waits for (-1: nothing
+    that will ever be posted). ``peer_state``: ``posted`` (the peer never posts it), ``queued`` (posted, but the
+    peer's earlier batch never completes), ``run`` (a compute of the peer, ``local`` only), ``later`` (its own
+    later op), ``none`` (no counterpart in any stream).
+    """
+
+    rank: int
+    at: int
+    state: str
+    batch: int
+    behind: int
+    op: int
+    peer: int
+    peer_op: int
+    peer_state: str
+
+
+@dataclass(frozen=True)
+class Run2:
+    """A rule version 2 run: each rank's host position (unit), completed batches, timing, and why stuck ranks are."""
+
+    model: str
+    units: Units
+    stop: tuple[int, ...]  # host unit per rank (== number of units at the end of the stream)
+    batch_units: tuple[tuple[int, ...], ...]  # per rank, the unit of each batch
+    complete: tuple[tuple[bool, ...], ...]  # per rank, per batch
+    blocked: dict[int, Blocked]
+    finish: tuple[tuple[int, ...], ...]  # per rank, the lockstep step at which the host got past each unit
+
+    @property
+    def stuck(self) -> list[int]:
+        return sorted(self.blocked)
+
+
+def execute2(program: Program, model: str = "nccl", flat: Flat | None = None) -> Run2:
+    """Run a program with send/recv under rule version 2 (docs/verification.md) to the point where nothing moves.
+
+    State per rank: the host's unit (computes run, batches posted) and which batches completed. Every condition
+    is monotone ("rank q's host passed unit u", "rank q completed k batches"), so the run's end point is unique; a
+    worklist with per-rank heaps of sleeping waiters finds it in time linear in the ops (times a log).
+    """
+    if model not in MODELS:
+        raise ValueError(f"unknown p2p model {model!r}; expected one of {', '.join(MODELS)}")
+    flat = flat or flatten(program)
+    units = cut_units(flat)
+    starts, unit_of, where, mbs = flat.starts, flat.unit_of, flat.where, flat.mbs
+    streams = program.streams
+    ranks = len(streams)
+    nccl = model == "nccl"
+    ends = [len(s) - 1 for s in starts]
+    # batches: units whose first op is a send/recv
+    batch_units: list[list[int]] = []
+    batch_of_unit: list[dict[int, int]] = []
+    ops_keys = flat.ops
+    is_comm_op = []
+    for rank in range(ranks):
+        comm = bytearray(starts[rank][-1])
+        for index, key in ops_keys[rank]:
+            if key & 7 >= SEND_F:
+                comm[index] = 1
+        is_comm_op.append(comm)
+        found = [u for u in range(ends[rank]) if comm[starts[rank][u]]]
+        batch_units.append(found)
+        batch_of_unit.append({u: b for b, u in enumerate(found)})
+    # what each send/recv op waits for: nccl its channel partner (rank, op) whose batch must be running; tagged a
+    # receive the send of its message (rank, op) that must be posted. (-1, -1): nothing ever will be.
+    partner: list[dict[int, tuple[int, int]]] = [{} for _ in range(ranks)]
+    for (src, dst), (sends, recvs) in flat.channels.items():
+        if nccl:
+            for (i, _), (j, _) in zip(sends, recvs, strict=False):
+                partner[src][i] = (dst, j)
+                partner[dst][j] = (src, i)
+        else:
+            step = mbs * 8
+            for j, key in recvs:
+                hit = where.get(key - step - 1 if key & 7 == RECV_F else key + step - 1)
+                partner[dst][j] = hit if hit is not None else (-1, -1)
+    # per rank, per compute unit: the batches holding the receives it consumes (those before it in the stream)
+    needs: list[dict[int, list[int]]] = [{} for _ in range(ranks)]
+    for rank in range(ranks):
+        rank_needs, rank_starts, rank_unit_of = needs[rank], starts[rank], unit_of[rank]
+        for index, key in ops_keys[rank]:
+            code = key & 7
+            if code == F:
+                wanted = key - F + RECV_F
+            elif code == B or code == I:
+                wanted = key - code + RECV_B
+            else:
+                continue
+            hit = where.get(wanted)
+            unit = rank_unit_of[index]
+            if hit is not None and hit[0] == rank and hit[1] < rank_starts[unit]:
+                rank_needs.setdefault(unit, []).append(batch_of_unit[rank][rank_unit_of[hit[1]]])
+    local: list[dict[int, list[tuple[int, int, int, int]]]] = [{} for _ in range(ranks)]
+    for rank, index, need in flat.local:  # (q, threshold unit, op j on q, waiting op) as in the version 1 waits
+        hit = next((where[k] for k in need if k in where), None)
+        if hit is not None:
+            q, j = hit
+            local[rank].setdefault(unit_of[rank][index], []).append((q, unit_of[q][j] + 1, j, index))
+
+    position = [0] * ranks
+    done = [0] * ranks  # nccl: batches completed, in order
+    complete = [bytearray(len(b)) for b in batch_units]
+    cursor = [[starts[r][u] for u in batch_units[r]] for r in range(ranks)]  # next op of each batch to check
+    tail = [0] * ranks  # the first batch not known complete (tagged end of step)
+    finish: list[list[int]] = [[] for _ in range(ranks)]
+    b_start: list[list[int]] = [[0] * len(b) for b in batch_units]
+    b_done: list[list[int]] = [[0] * len(b) for b in batch_units]
+    on_position: list[list[tuple[int, int]]] = [[] for _ in range(ranks)]  # heap of (threshold, waiting rank)
+    on_done: list[list[tuple[int, int]]] = [[] for _ in range(ranks)]
+
+    def started(q: int, batch: int) -> int:
+        """-1 if batch `batch` of rank q is not running yet, else the step it started at."""
+        if position[q] <= batch_units[q][batch]:
+            return -1
+        if nccl and done[q] < batch:
+            return -1
+        return b_start[q][batch]
+
+    def wait_start(q: int, batch: int, rank: int) -> None:
+        if position[q] <= batch_units[q][batch]:
+            heapq.heappush(on_position[q], (batch_units[q][batch] + 1, rank))
+        else:
+            heapq.heappush(on_done[q], (batch, rank))
+
+    def try_batch(rank: int, batch: int) -> bool:
+        """Complete the batch if it can (its start known); registers a sleeper when it cannot."""
+        if complete[rank][batch]:
+            return True
+        if started(rank, batch) < 0:
+            return False
+        k, end = cursor[rank][batch], starts[rank][batch_units[rank][batch] + 1]
+        when = b_start[rank][batch]
+        rank_partner = partner[rank]
+        while k < end:
+            hit = rank_partner.get(k)
+            if hit is None:  # nccl: an op its channel never matches; tagged: a send (complete when posted)
+                if nccl:
+                    return False
+                k += 1
+                continue
+            q, j = hit
+            if q < 0:
+                return False
+            peer_batch = batch_of_unit[q][unit_of[q][j]]
+            if nccl:
+                at = started(q, peer_batch)
+                if at < 0:
+                    wait_start(q, peer_batch, rank)
+                    cursor[rank][batch] = k
+                    return False
+            else:
+                if position[q] <= unit_of[q][j]:
+                    heapq.heappush(on_position[q], (unit_of[q][j] + 1, rank))
+                    cursor[rank][batch] = k
+                    return False
+                at = finish[q][unit_of[q][j]]
+            when = max(when, at + 1)
+            k += 1
+        cursor[rank][batch] = k
+        complete[rank][batch] = 1
+        b_done[rank][batch] = when
+        return True
+
+    ready = deque(range(ranks))
+    queued = [True] * ranks  # a rank sits in `ready` at most once (a woken rank may have several sleepers)
+    while ready:
+        rank = ready.popleft()
+        queued[rank] = False
+        rank_starts, rank_needs, rank_local, fin = starts[rank], needs[rank], local[rank], finish[rank]
+        moved = True
+        while moved:
+            moved = False
+            unit = position[rank]
+            while unit < ends[rank]:  # the host
+                stop = False
+                for q, threshold, _, _ in rank_local.get(unit, ()):
+                    if (unit if q == rank else position[q]) < threshold:
+                        if q != rank:
+                            heapq.heappush(on_position[q], (threshold, rank))
+                        stop = True
+                        break
+                if stop:
+                    break
+                arrive = (fin[-1] if fin else 0) + rank_starts[unit + 1] - rank_starts[unit]
+                batch = batch_of_unit[rank].get(unit)
+                if batch is not None:  # posting never blocks; the batch starts once the one before completed
+                    position[rank] = unit + 1
+                    b_start[rank][batch] = max(arrive - 1, b_done[rank][batch - 1] if nccl and batch else 0)
+                else:
+                    for needed in rank_needs.get(unit, ()):
+                        if not complete[rank][needed] and not try_batch(rank, needed):
+                            stop = True
+                            break
+                        arrive = max(arrive, b_done[rank][needed] + 1)
+                    if stop:
+                        break
+                fin.append(arrive)
+                unit += 1
+                position[rank] = unit
+                moved = True
+            if nccl:  # complete batches in order
+                while done[rank] < len(batch_units[rank]) and try_batch(rank, done[rank]):
+                    done[rank] += 1
+                    if done[rank] < len(batch_units[rank]) and position[rank] > batch_units[rank][done[rank]]:
+                        nxt = done[rank]
+                        b_start[rank][nxt] = max(b_start[rank][nxt], b_done[rank][nxt - 1])
+                    moved = True
+            elif unit == ends[rank]:  # the end of the step: every batch
+                while tail[rank] < len(batch_units[rank]) and try_batch(rank, tail[rank]):
+                    tail[rank] += 1
+        for heap, level in ((on_position[rank], position[rank]), (on_done[rank], done[rank])):
+            while heap and heap[0][0] <= level:
+                woken = heapq.heappop(heap)[1]
+                if not queued[woken]:
+                    queued[woken] = True
+                    ready.append(woken)
+    blocked = {}
+    for rank in range(ranks):
+        if position[rank] < ends[rank] or not all(complete[rank]):
+            blocked[rank] = _why(rank, position, done, complete, nccl, starts, unit_of, batch_units, batch_of_unit,
+                                 needs, local, partner, ends)
+    return Run2(
+        model, units, tuple(position), tuple(tuple(b) for b in batch_units),
+        tuple(tuple(bool(x) for x in c) for c in complete), blocked, tuple(tuple(f) for f in finish),
+    )
+
+
+def _why(rank, position, done, complete, nccl, starts, unit_of, batch_units, batch_of_unit, needs, local, partner,
+         ends) -> Blocked:
+    """The first reason rank `rank` cannot finish, read off the final state of the run."""
+    unit = position[rank]
+    at = starts[rank][unit]
+    if unit < ends[rank]:
+        for q, threshold, j, i in local[rank].get(unit, ()):
+            if (unit if q == rank else position[q]) < threshold:
+                return Blocked(rank, at, "local", -1, -1, i, q, j, "later" if q == rank else "run")
+        batch = next(b for b in needs[rank].get(unit, ()) if not complete[rank][b])
+        state = "compute"
+    else:
+        batch = next(b for b, c in enumerate(complete[rank]) if not c)
+        state = "end"
+    # nccl: a rank's batches run one after another, so the earliest incomplete one holds up every later one
+    blocking = done[rank] if nccl and done[rank] < batch else batch
+    behind = blocking if blocking != batch else -1
+    lo, hi = starts[rank][batch_units[rank][blocking]], starts[rank][batch_units[rank][blocking] + 1]
+    for k in range(lo, hi):
+        hit = partner[rank].get(k)
+        if hit is None:
+            if nccl:
+                return Blocked(rank, at, state, batch, behind, k, -1, -1, "none")
+            continue
+        q, j = hit
+        if q < 0:
+            return Blocked(rank, at, state, batch, behind, k, -1, -1, "none")
+        peer_unit = unit_of[q][j]
+        if position[q] <= peer_unit:
+            return Blocked(rank, at, state, batch, behind, k, q, j, "posted")
+        if nccl and done[q] < batch_of_unit[q][peer_unit]:
+            return Blocked(rank, at, state, batch, behind, k, q, j, "queued")
+    raise AssertionError("a stuck batch with every counterpart running")  # pragma: no cover

@@ -6,7 +6,7 @@ Every instruction is written in its one text form, ``str(instruction)`` (torch's
 from __future__ import annotations
 
 from pipec.ir import Program
-from pipec.verify.deadlock import Execution, Wait
+from pipec.verify.deadlock import Blocked, Execution, Run2, Wait
 
 GRID_STEPS = 12  # rows of the grid, ending at the stuck point
 GRID_MAX_RANKS = 8  # above this, the grid shows only the ranks named in the explanation
@@ -72,8 +72,69 @@ def _target(program: Program, run: Execution, rank: int, wait: Wait) -> str:
         return f"its own {what}, which comes later in its stream"
     return f"rank {q} {what} {'to be posted' if posted else 'to complete'}"
 
+def explain_deadlock2(program: Program, run: Run2) -> str:
+    """A rule version 2 deadlock: each stuck rank waits at a compute for a batch, at the end of the step for its
+    batches, or at an op for one of its own later ops; a batch waits behind the rank's earlier batch or for a
+    counterpart that the peer never posts or never gets running. The chain follows those waits to a cycle."""
+    stuck = run.stuck
+    lines = [
+        f"deadlock under the {run.model} model: {_plural(len(stuck), 'rank')} "
+        f"({', '.join(map(str, stuck))}) cannot finish"
+    ]
+    chain: list[int] = []
+    closes = stuck[0]
+    while closes >= 0 and closes not in chain:
+        chain.append(closes)
+        why = run.blocked[closes]
+        closes = why.peer if why.peer_state in ("posted", "queued", "run") and why.peer in run.blocked else -1
+    for n, rank in enumerate(chain):
+        lines.append(("  " if n == 0 else "  then ") + _reason(program, run, run.blocked[rank]) + ";")
+    last = run.blocked[chain[-1]]
+    if closes >= 0:
+        lines.append(f"  and rank {closes} is on this chain already: the waits form a cycle, no rank on it can move")
+    elif last.peer_state == "later":
+        lines.append(f"  rank {last.rank} can never reach that op: it waits for itself")
+    elif last.peer_state == "none":
+        lines.append("  and no rank will ever post that counterpart")
+    others = [r for r in stuck if r not in chain]
+    for rank in others:
+        lines.append(f"  also stuck: {_reason(program, run, run.blocked[rank])}")
+    shown = list(range(program.ranks)) if program.ranks <= GRID_MAX_RANKS else sorted(set(chain) | set(others[:4]))
+    lines.append("")
+    lines.extend(grid(program, run, shown))
+    return "\n".join(lines)
 
-def grid(program: Program, run: Execution, ranks: list[int]) -> list[str]:
+
+def _batch_text(program: Program, run: Run2, rank: int, batch: int) -> str:
+    ops = run.units.ops(rank, run.batch_units[rank][batch])
+    stream = program.streams[rank]
+    span = f"op {ops[0]}" if len(ops) == 1 else f"ops {ops[0]}-{ops[-1]}"
+    return f"its batch of {span} ({' '.join(str(stream[i]) for i in ops)})"
+
+
+def _reason(program: Program, run: Run2, why: Blocked) -> str:
+    rank, stream = why.rank, program.streams[why.rank]
+    if why.state == "local":
+        where = f"rank {rank} at op {_op(program, rank, why.op)}"
+        if why.peer_state == "later":
+            return f"{where} waits for its own op {_op(program, rank, why.peer_op)}, which comes later in its stream"
+        return f"{where} waits for rank {why.peer} op {_op(program, why.peer, why.peer_op)} to run"
+    if why.state == "compute":
+        text = f"rank {rank} at op {_op(program, rank, why.at)} waits for {_batch_text(program, run, rank, why.batch)}"
+    else:
+        text = f"rank {rank} at the end of the step waits for {_batch_text(program, run, rank, why.batch)}"
+    if why.behind >= 0:
+        text += f", queued behind {_batch_text(program, run, rank, why.behind)}"
+    text += f", whose op {why.op} {stream[why.op]} "
+    if why.peer_state == "none":
+        return text + "has no counterpart any rank will post"
+    target = f"rank {why.peer} op {_op(program, why.peer, why.peer_op)}"
+    if why.peer_state == "posted":
+        return text + f"needs {target} to be posted"
+    return text + f"needs {target}, posted but queued behind an earlier batch of rank {why.peer}"
+
+
+def grid(program: Program, run: Execution | Run2, ranks: list[int]) -> list[str]:
     """The last GRID_STEPS steps up to the stuck point, one column per rank; `*` marks where a rank is stuck.
 
     Steps come from the run's lockstep timing: an instruction takes one step, a batch's ops take consecutive
@@ -89,6 +150,9 @@ def grid(program: Program, run: Execution, ranks: list[int]) -> list[str]:
             for k, index in enumerate(units.ops(rank, stop)):
                 cells[(reach + k, rank)] = f"{stream[index]}*"
                 top = max(top, reach + k + 1)
+        elif rank in run.blocked:  # rule version 2: at the end of the step, waiting for its batches
+            cells[(reach, rank)] = "end*"
+            top = max(top, reach + 1)
         else:
             top = max(top, reach)
     low = max(0, top - GRID_STEPS)

@@ -246,3 +246,29 @@ def test_a_missing_message_pair_is_a_structure_error(name: str, p: int, m: int, 
         structure = verify(broken, p2p=model).verdict("structure")
         assert not structure.ok
         assert f"{send.stage + 1}F{send.mb} needs the activation of {send.stage}F{send.mb}" in structure.explanation
+
+
+def test_a_rank_can_be_stuck_at_the_end_of_the_step_waiting_for_its_sends(tmp_path) -> None:
+    """Rule version 2: rank 2 runs its whole stream (its last send is posted without waiting) but its send never
+    completes under nccl, because rank 1 never posts the receive (rank 1's backward comes before that receive).
+    Under tagged the send is buffered, so rank 2 finishes there. Checked against the independent executor."""
+    rows = [
+        "0F0,0SEND_F0,0RECV_B0,0B0",
+        "1RECV_F0,1F0,1SEND_F0,1B0,1RECV_B0,1SEND_B0",
+        "2RECV_F0,2F0,2B0,2SEND_B0",
+    ]
+    path = tmp_path / "stuck_at_end.csv"
+    path.write_text("\n".join(rows) + "\n")
+    program = pipec.compile(str(path))
+    report = verify(program, p2p="nccl")
+    assert report.verdict("structure").ok and not report.verdict("deadlock").ok
+    text = report.verdict("deadlock").explanation
+    assert "rank 2 at the end of the step waits for its batch of op 3 (2SEND_B0), whose op 3 2SEND_B0 needs rank 1 " \
+           "op 4 1RECV_B0 to be posted" in text, text
+    assert "rank 1 at op 3 1B0 waits for its own op 4 1RECV_B0, which comes later in its stream" in text, text
+    assert "end*" in text
+    outcome = executor.run(program, "nccl")
+    assert not outcome.completed and outcome.positions == (3, 3, 4)  # rank 2 got to the end of its stream
+    tagged = verify(program, p2p="tagged").verdict("deadlock")
+    assert not tagged.ok and "rank 2" not in tagged.explanation.splitlines()[0]  # only ranks 0 and 1 are stuck
+    assert not executor.run(program, "tagged").completed

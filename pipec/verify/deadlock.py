@@ -1,20 +1,22 @@
 """check_deadlock: does every rank's stream run to the end under a point-to-point model?
 
-The execution rule (shared with the runtime, written out in docs/verification.md):
+The execution rule, version 2 (shared with the runtime and the simulator, written out in docs/verification.md):
 - each rank runs its stream in order; a maximal run of consecutive SEND/RECV instructions is one *batch*, posted
-  at once (one ``batch_isend_irecv``) and waited for as a whole before the next instruction;
-- a compute instruction runs once its inputs are on its rank: F(s, m) needs F(s-1, m) (same rank) or its
-  RECV_F(s, m) (other rank); B/I(s, m) need F(s, m) and the backward of (s+1, m) or its RECV_B(s, m); W(s, m)
-  needs I(s, m). A SEND needs the compute that produced what it sends. In a program without send/recv
-  instructions an input from another rank is simply the producing compute, wherever it runs;
-- ``tagged``: sends complete at once; a RECV completes once the SEND of the same message has been posted;
-- ``nccl``: the k-th send from rank a to rank b meets the k-th receive on b from a; every op, sends included,
-  completes once its counterpart has been posted (the peer reached the batch holding it).
-
-Each unit (a compute instruction or a batch) waits on conditions of the form "rank q has reached unit T"; all of
-them are monotone, so the set of units that ever run is unique and a worklist finds it in time linear in the
-number of instructions (plus a heap per rank for sleeping waiters). A rank stuck before the end is a deadlock:
-`explain` follows the chain of waits to its cycle and draws the step-by-rank grid around it.
+  at once (one ``batch_isend_irecv``) without waiting; a batch holding a send of a value its rank computes only
+  later is never posted;
+- before a compute runs, the rank waits for the batches holding the receives it consumes (RECV_F(s, m) for
+  F(s, m), RECV_B(s, m) for B/I(s, m)); its other inputs are computes of its own rank that must come earlier
+  (F(s-1, m), F(s, m), the backward of (s+1, m), I(s, m) for W). At the end of the step it waits for every batch;
+- ``nccl``: the k-th send from rank a to rank b meets the k-th receive on b from a; a rank's batches run in
+  posting order (a batch starts once posted and once the previous one completed); an op completes once its
+  counterpart's batch is running; a batch completes when all of its ops have;
+- ``tagged``: sends complete when posted; a RECV completes once the SEND of the same message has been posted.
+`execute2` runs a program with send/recv under that rule: the state is each rank's host position and its completed
+batches, every condition is monotone, so the end point is unique and a worklist with per-rank heaps of sleeping
+waiters finds it in time linear in the instructions (times a log). A program without send/recv (compute orders)
+is run on its data dependencies by `execute`: each compute waits for the computes it reads, wherever they run.
+A rank that cannot finish is a deadlock: `explain` follows the chain of waits to its cycle and draws the
+step-by-rank grid around it.
 """
 
 from __future__ import annotations

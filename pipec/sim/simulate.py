@@ -223,6 +223,7 @@ def _simulate(program: Program, costs: Costs, record: bool, input_fraction: floa
     finish = [0.0] * P
     done = [False] * P
     first = [-1.0] * P
+    premature = [-1] * P  # per rank: the position of the send it is stuck at (its value not computed yet)
     timeline: list[list[TimedOp]] = [[] for _ in range(P)]
     messages: list[Message] = []
     ready = deque(range(P))
@@ -326,6 +327,7 @@ def _simulate(program: Program, costs: Costs, record: bool, input_fraction: floa
                 # a batch: posted at once, no waiting (rule 1)
                 end = pos
                 sent = 0
+                unsent = -1  # the position of a send whose value this rank has not computed yet
                 ops = []
                 while end < n:
                     action = stream[end]
@@ -349,11 +351,23 @@ def _simulate(program: Program, costs: Costs, record: bool, input_fraction: floa
                             "or a stage this rank does not hold"
                         )
                     if is_send:
+                        # the runtime posts a send with the tensor its rank has computed: a send ahead of its
+                        # producer leaves the rank stuck here for good (its stream runs in order), as in the verifier
+                        if (forward_done if kind is k_sf else grad_done)[stage * n_mb + mb] < 0:
+                            unsent = end
+                            break
                         sent += 1
                     else:
                         recv_batch[message] = len(b_rank)
                     ops.append((is_send, pair, message, end))
                     end += 1
+                if unsent >= 0:  # not posted: forget the receives noted above, the rank stops at the batch
+                    for is_send, _, message, _ in ops:
+                        if not is_send:
+                            recv_batch[message] = -1
+                    premature[rank] = unsent
+                    blocked = True
+                    break
                 b_rank.append(rank)
                 b_ops.append(ops)
                 b_lo.append(pos)
@@ -480,11 +494,14 @@ def _simulate(program: Program, costs: Costs, record: bool, input_fraction: floa
 
     stuck = [r for r in range(P) if not done[r]]
     if stuck:
+        unsent = [_premature_send(program, r, position[r], premature[r]) for r in stuck if premature[r] >= 0]
         if tagged:
-            raise ScheduleError(f"deadlock under the tagged p2p model: rank(s) {stuck} cannot finish")
-        _check_pair_order(program)
+            header = f"deadlock under the tagged p2p model: rank(s) {stuck} cannot finish"
+            raise ScheduleError("\n".join([header, *unsent]))
+        if not unsent:  # a send ahead of its value is the cause; a mismatch on the channel comes second
+            _check_pair_order(program)
         state = (position, batches, head, b_lo, b_hi, b_start, sends, recvs)
-        raise ScheduleError(_deadlock_message(program, stuck, *state))
+        raise ScheduleError(_deadlock_message(program, stuck, unsent, premature, *state))
     if record:
         for b, rank in enumerate(b_rank):
             timeline[rank].append(TimedOp(rank, b_start[b], b_done[b], tuple(streams[rank][b_lo[b] : b_hi[b]])))
@@ -683,15 +700,21 @@ def _check_pair_order(program: Program) -> None:
                 raise ScheduleError(_mismatch(program, send_entry, recv_entry))
 
 
-def _deadlock_message(program: Program, stuck, position, batches, head, b_lo, b_hi, b_start, sends, recvs) -> str:
-    """Each stuck rank: the instruction its host waits at (or the end of the step), and the batch at the head of its
-    NCCL stream with the ops whose counterparts never run."""
+def _deadlock_message(
+    program: Program, stuck, unsent, premature, position, batches, head, b_lo, b_hi, b_start, sends, recvs
+) -> str:
+    """Each stuck rank: a send ahead of its value it cannot post (``unsent``, lines already written), or the
+    instruction its host waits at (or the end of the step) and the batch at the head of its NCCL stream with the ops
+    whose counterparts never run."""
     P, where = program.ranks, program.stage_to_rank  # noqa: N806
-    lines = [f"deadlock under the nccl p2p model: {len(stuck)} rank(s) cannot finish"]
-    for rank in stuck:
+    lines = [f"deadlock under the nccl p2p model: {len(stuck)} rank(s) cannot finish", *unsent]
+    for rank in (r for r in stuck if premature[r] < 0):
         stream = program.streams[rank]
         pos = position[rank]
         at = f"is stuck at op {pos} {stream[pos]}" if pos < len(stream) else "is stuck at the end of the step"
+        if head[rank] == len(batches[rank]):  # cannot happen: the host stops at a compute or at the end
+            lines.append(f"rank {rank} {at}")
+            continue
         b = batches[rank][head[rank]]
         batch = " ".join(map(str, stream[b_lo[b] : b_hi[b]]))
         if b_start[b] < 0:  # cannot happen: a posted head batch always runs; kept for a clear message
@@ -711,3 +734,21 @@ def _deadlock_message(program: Program, stuck, position, batches, head, b_lo, b_
                 waiting.append(f"{action} waits for rank {peer}'s {_ordinal(k + 1)} {what} to run")
         lines.append(f"rank {rank} {at}, waiting for batch [{batch}] (op {b_lo[b]}): " + "; ".join(waiting))
     return "\n".join(lines)
+
+
+def _premature_send(program: Program, rank: int, pos: int, send_pos: int) -> str:
+    """The line for a rank stuck at a batch holding a send of a value it has not computed: which value, and where
+    its stream computes it (later, or nowhere)."""
+    stream = program.streams[rank]
+    send = stream[send_pos]
+    producers = (Kind.F,) if send.kind is Kind.SEND_F else (Kind.B, Kind.I)
+    value = "output" if send.kind is Kind.SEND_F else "input gradient"
+    what = f"stage {send.stage}'s {value} for micro-batch {send.mb}"
+    later = next(
+        (f"op {i} {x}" for i, x in enumerate(stream) for a in x.parts
+         if a.stage == send.stage and a.mb == send.mb and a.kind in producers),
+        None,
+    )
+    where = f"its stream computes it only later, at {later}" if later else "its stream never computes it"
+    batch = "" if pos == send_pos else f" (in the batch at op {pos}, which it cannot post)"
+    return f"rank {rank} is stuck at op {send_pos} {send}{batch}: it sends {what}, not computed yet; {where}"

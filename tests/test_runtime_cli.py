@@ -216,3 +216,17 @@ def test_partition_is_optimal_and_contiguous() -> None:
         bounds = [0, *itertools.accumulate(sizes)]
         largest = max(sum(weights[a:b]) for a, b in itertools.pairwise(bounds))
         assert largest == brute_force(weights, parts)
+
+
+def test_the_runtime_needs_no_numpy(tmp_path: Path) -> None:
+    """torch's object collectives and shape inference need NumPy; pipec's runtime must not (a torch CPU
+    install does not bring it). A stand-in package makes `import numpy` fail in every worker."""
+    blocker = tmp_path / "blocked" / "numpy"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ModuleNotFoundError('numpy is blocked for this test', name='numpy')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(blocker.parent), str(TESTS.parent), str(TESTS)]))
+    command = [sys.executable, "-m", "pipec", "run", "1f1b", "-P", "2", "-M", "2", "--model", "workloads:mlp"]
+    command += ["--save", str(tmp_path / "w.pt"), "--report", str(tmp_path / "r.json")]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["ranks"][1]["peak_activations"] == 1

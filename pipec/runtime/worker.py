@@ -24,6 +24,7 @@ from pipec.errors import PipecError, PipecInputError
 from pipec.ir import Program
 from pipec.runtime import interpreter, stages, workload
 from pipec.runtime.interpreter import Context
+from pipec.runtime.objects import all_gather_objects, broadcast_object
 from pipec.verify.memory import peak_activations
 
 
@@ -180,8 +181,7 @@ def _agree(program: Program, work: workload.Workload, partition: str, sample) ->
     if rank == 0 or partition != "profile":
         sizes = stages.partition(work.layers, program.num_stages, partition, sample)
     mine = (fingerprint(program), f"{program.name} P={program.ranks} M={program.microbatches} V={program.chunks}")
-    views: list = [None] * world
-    dist.all_gather_object(views, (mine, sizes))
+    views = all_gather_objects((mine, sizes))
     base = views[0]
     differing = [r for r in range(world) if views[r][0][0] != base[0][0]]
     if differing:
@@ -199,15 +199,14 @@ def _exchange_shapes(program: Program, mine: dict, sample) -> dict:
     in_shape, in_dtype = tuple(sample.shape), sample.dtype
     for s in range(program.num_stages - 1):
         owner = program.stage_to_rank[s]
-        box: list = [None]
+        shape = None
         if owner == dist.get_rank():
             x = sample if s == 0 else torch.zeros(in_shape, dtype=in_dtype, device=sample.device)
             with torch.no_grad():
                 y = mine[s].forward(x)
-            box[0] = (tuple(y.shape), y.dtype)
-        dist.broadcast_object_list(box, src=owner)
-        shapes[s] = box[0]
-        in_shape, in_dtype = box[0]
+            shape = (tuple(y.shape), y.dtype)
+        shapes[s] = broadcast_object(shape, src=owner)
+        in_shape, in_dtype = shapes[s]
     return shapes
 
 
@@ -250,7 +249,7 @@ def where() -> str:
 
 
 def _summarise(program: Program, runner: Runner, records: list, options: Options, say) -> dict:
-    rank, world = runner.rank, dist.get_world_size()
+    rank = runner.rank
     step_times = [r[0] for r in records]
     instructions = len(program.streams[rank])
     compute = sum(r[2].compute_s for r in records)
@@ -269,12 +268,10 @@ def _summarise(program: Program, runner: Runner, records: list, options: Options
         "peak_activations": runner.ctx.peak,
         "peak_activations_predicted": peak_activations(program)[rank],
     }
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, (mine, runner.trace_events() if options.trace else []))
+    gathered = all_gather_objects((mine, runner.trace_events() if options.trace else []))
     weights = None
     if options.save:
-        parts: list = [None] * world
-        dist.all_gather_object(parts, runner.state_dict())
+        parts = all_gather_objects(runner.state_dict())
         weights = {k: v for part in parts for k, v in part.items()}
     microbatch = workload.split(runner.work.batches[0], program.microbatches)[0][0].shape[0]
     samples = microbatch * program.microbatches

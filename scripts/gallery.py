@@ -128,8 +128,8 @@ def _why(costs: str, name: str, nccl, ideal) -> str:
     )
     line = f"- `{costs}` **{name}**: {nccl.makespan:g} against {ideal.makespan:g}; "
     if not waits:
-        # seen with a message time: receives posted one op late (post waits) that the critical-path walk misses
-        return line + "`critical_waits` names no wait on the critical path"
+        # seen with overlap=0: the host pays message_time per send it posts, compute time the ideal model has not
+        return line + "no wait on the critical path: the gap is the senders' posting cost (overlap=0)"
     return line + f"{len(waits)} waits on the critical path ({kinds}), e.g. {waits[0].text}"
 
 

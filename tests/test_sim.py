@@ -392,6 +392,24 @@ def test_critical_waits_on_a_fifo_hand_case(tmp_path):
     assert critical_waits(result) == []
 
 
+def test_critical_waits_follow_the_sender_on_a_tie():
+    """Three ranks, F = 1, messages 0.5, overlap: rank 1 posts [1SEND_F0 1RECV_F1] only after 1F0 (at 2.5) while
+    0SEND_F1 runs from 2, so 1F1 gets its data at 3 instead of 2.5 (a post wait). Rank 2 posts 2RECV_F1 at 4, the
+    moment rank 1 posts 1SEND_F1: a tie, and the walk must follow the sender (rank 2 only sat idle) to find the
+    post wait. By hand: nccl makespan 5.5, ideal 5 (2F1 at max(4, 3.5 + 0.5)), the gap is that one wait."""
+    rows = [
+        "0F0 0SEND_F0 0F1 0SEND_F1",
+        "1RECV_F0 1F0 1SEND_F0 1RECV_F1 1F1 1SEND_F1",
+        "2RECV_F0 2F0 2RECV_F1 2F1",
+    ]
+    streams = tuple(tuple(map(parse_instruction, r.split())) for r in rows)
+    program = Program("hand", 3, 2, 1, (0, 1, 2), streams, has_comms=True, forward_only=True)
+    costs = parse_costs("F=1,comm=0.5,overlap=1")
+    result = simulate(program, costs, record=True)
+    assert close(result.makespan, 5.5) and close(simulate(program, costs, p2p="ideal").makespan, 5.0)
+    assert [(w.kind, w.rank, w.time, w.until) for w in critical_waits(result)] == [("post", 1, 2.0, 2.5)]
+
+
 @pytest.mark.parametrize(("name", "V"), LIBRARY)
 def test_critical_waits_account_for_the_gap_to_the_compute_order(name, V):
     """With free messages, the waits on the critical path (batch and fifo) add up to at least what the compiled

@@ -114,7 +114,8 @@ def _latest(actions, rank: int, arrival) -> Action:
 def critical_waits(result) -> list[Wait]:
     """The waits on the critical path: walk back from the op that ends last, each time to what fixed its start
     (the rank's previous instruction, the batch it waited for, the peer batch that completed that batch, or the
-    batch ahead on the same NCCL stream), and keep the steps that are batch or fifo waits, earliest first. An empty
+    batch ahead on the same NCCL stream; on a tie between a receive's batch and its sender's, the sender's), and keep
+    the steps that are batch, fifo or post waits, earliest first. An empty
     list on a result later than the compute order would mean the ideal model's makespan was never reachable."""
     program = result.program
     if not program.has_comms or not result.timeline:
@@ -219,7 +220,9 @@ def critical_waits(result) -> list[Wait]:
         # with another op of its batch)
         key = max(needed, key=lambda k: peer_of[k][2])
         own, other = batch_of[key], batch_of[peer_of[key][:2]]
-        if other.start > own.start + _EPS:
+        # the transfer started with the later of the two batches; on a tie follow the sender: this rank sat idle
+        # waiting for the data, so its own host chain (the receive posted as it got there) explains nothing
+        if other.start > own.start - _EPS:
             node = ("start", other)
             continue
         if own.start > other.start + _EPS and peer_of[key][2] > own.start + _EPS:

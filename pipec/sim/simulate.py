@@ -11,6 +11,8 @@ Execution follows version 2 of the point-to-point rule shared with the verifier'
   batch of the rank completed). Messages on one ordered pair of ranks match in issue order (the k-th send from a
   to b meets the k-th receive on b from a; different (stage, kind, micro-batch) is a p2p order mismatch); a
   matched pair completes at max(start of both batches) + ``message_time``, a batch when all its ops have;
+- a batch is posted only once its rank has computed every value it sends (the runtime sends the tensor); a send
+  ahead of its value leaves the rank stuck there for good, a deadlock under both models (as in the verifier);
 - ``tagged``: every batch runs once posted, sends complete at once, a receive meets the send of its message in
   any order (completing at max(both posted) + ``message_time``).
 The simulation is a worklist over ranks (no global event heap: every time is fixed as soon as the batches it

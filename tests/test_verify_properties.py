@@ -16,7 +16,7 @@ from strategies import STRUCTURAL, broken_programs, valid_programs
 
 from pipec.passes.p2p import insert_p2p_ops
 from pipec.verify import verify
-from pipec.verify.deadlock import execute
+from pipec.verify.deadlock import execute, execute2, finishes2
 
 # fixed example counts, no deadline, derandomized: the suite is stable and takes a few seconds
 VALID = settings(
@@ -73,3 +73,16 @@ def test_verdicts_equal_the_executor(case) -> None:
         verdicts["tagged"] = verify(insert_p2p_ops(program), p2p="tagged").verdict("deadlock").ok
     if verdicts.get("nccl"):  # with the channel order right, nccl only adds waits to tagged
         assert verdicts["tagged"], mutation
+
+
+@settings(
+    max_examples=600, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow], database=None
+)
+@given(broken_programs())
+def test_the_fast_verdict_equals_the_full_run(case) -> None:
+    """check_deadlock decides with finishes2 (gates and bisects) and explains with execute2: they must agree."""
+    program, mutation = case
+    lowered = program if program.has_comms else insert_p2p_ops(program)
+    if verify(lowered, p2p="tagged").verdict("structure").ok:
+        for model in ("tagged", "nccl"):
+            assert finishes2(lowered, model) == (not execute2(lowered, model).blocked), (model, mutation)

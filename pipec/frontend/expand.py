@@ -670,6 +670,9 @@ def expand(
     except ScheduleProgramError as e:  # a header expression divided by zero
         raise PipecInputError(e.message, e.span) from None
 
+    literal = _literal_streams(schedule, env["P"]) if schedule.body is None else None
+    if literal is not None and schedule.placement is None:
+        placement = _placement_of(literal, placement)
     rank_stages = [tuple(s for s, r in enumerate(placement) if r == rank) for rank in range(env["P"])]
     uneven = [rank for rank, held in enumerate(rank_stages) if len(held) != env["V"]]
     if uneven:
@@ -680,10 +683,7 @@ def expand(
             f"each rank must hold V = {env['V']}",
             where,
         )
-    if schedule.body is not None:
-        streams = _run_programs(schedule, env, rank_stages)
-    else:
-        streams = _literal_streams(schedule, env["P"])
+    streams = literal if literal is not None else _run_programs(schedule, env, rank_stages)
     if schedule.drop_padded:
         streams = [_drop_padded(stream, env["M"]) for stream in streams]
     return Program(
@@ -728,6 +728,20 @@ def _run_programs(
             raise ScheduleProgramError(e.message, e.span, rank) from None
         streams.append(st.out)
     return streams
+
+
+def _placement_of(streams: list[list[Instruction]], default: tuple[int, ...]) -> tuple[int, ...]:
+    """A literal schedule without a `placement` line: each stage lives where its actions are (the first rank
+    that names it; a stage named on two ranks is left to the structure check to report)."""
+    placement = list(default)
+    seen: set[int] = set()
+    for rank, stream in enumerate(streams):
+        for instruction in stream:
+            for action in instruction.parts:
+                if 0 <= action.stage < len(placement) and action.stage not in seen:
+                    seen.add(action.stage)
+                    placement[action.stage] = rank
+    return tuple(placement)
 
 
 def _literal_streams(schedule: ast.Schedule, ranks: int) -> list[list[Instruction]]:

@@ -237,29 +237,32 @@ def _expr_text(expr: object) -> str:
     return "..."
 
 
-def dump_ast(node: object, indent: int = 0) -> str:
-    """An indented, diff-friendly dump of the AST (spans shown as line:col)."""
-    pad = "  " * indent
-    if isinstance(node, tuple):
-        if not node:
-            return "()"
-        return "\n".join(pad + "- " + dump_ast(item, indent + 1).lstrip() for item in node)
-    if not is_dataclass(node):
-        return repr(node)
-    name = type(node).__name__
-    if name == "Span":
-        return f"{node.line}:{node.column}"  # type: ignore[attr-defined]
-    lines = [f"{name}"]
-    for field in fields(node):
+def dump_ast(node: object) -> str:
+    """An indented, diff-friendly dump of the AST (spans left out)."""
+    return "\n".join(_ast_lines(node))
+
+
+def _ast_lines(value: object) -> list[str]:
+    if isinstance(value, tuple):
+        if not value:
+            return ["()"]
+        lines = []
+        for item in value:
+            first, *rest = _ast_lines(item)
+            lines += [f"- {first}", *(f"  {line}" for line in rest)]
+        return lines
+    if not is_dataclass(value) or type(value).__name__ == "Span":
+        return [repr(value)]
+    lines = [type(value).__name__]
+    for field in fields(value):
         if field.name == "span":
             continue
-        value = getattr(node, field.name)
-        text = dump_ast(value, indent + 2)
-        if "\n" in text or (isinstance(value, tuple) and value) or is_dataclass(value):
-            lines.append(f"{pad}  {field.name}:\n{text if text.startswith(pad) else pad + '    ' + text}")
+        child = _ast_lines(getattr(value, field.name))
+        if len(child) == 1 and not is_dataclass(getattr(value, field.name)):
+            lines.append(f"  {field.name}: {child[0]}")
         else:
-            lines.append(f"{pad}  {field.name}: {text}")
-    return "\n".join(lines)
+            lines += [f"  {field.name}:", *(f"    {line}" for line in child)]
+    return lines
 
 
 def dump_graph(program: object) -> str:

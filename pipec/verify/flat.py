@@ -106,6 +106,7 @@ def flatten(
     ranks = len(streams)
     all_starts: list[tuple[int, ...]] = []
     all_unit_of: list[list[int]] = []
+    all_ops: list[list[tuple[int, int]]] = []
     local: list[tuple[int, int, tuple[int, ...]]] = []
     comm_keys: list[int] = []
     channels: dict[tuple[int, int], tuple[list[tuple[int, int]], list[tuple[int, int]]]] = {}
@@ -117,6 +118,8 @@ def flatten(
         recvs: list[list[tuple[int, int]]] = [[] for _ in range(ranks)]
         starts: list[int] = []
         unit_of: list[int] = []
+        rank_ops: list[tuple[int, int]] = []  # Flat.ops, filled here rather than in a second pass
+        all_ops.append(rank_ops)
         in_batch = False
         live = peak = 0.0
         for index, instruction in enumerate(stream):
@@ -132,6 +135,7 @@ def flatten(
                 if mb > top_mb:
                     top_mb = mb
                 key = ((stage * mbs) + mb) * 8 + code
+                rank_ops.append((index, key))
                 if key in where:
                     duplicates[key] = duplicates.get(key, 1) + 1
                 else:
@@ -201,5 +205,5 @@ def flatten(
         return flatten(program, input_fraction, stage_sizes, top_mb + 1)
     return Flat(
         program, mbs, where, duplicates, frozenset(misplaced), tuple(all_starts),
-        tuple(all_unit_of), local, comm_keys, channels, tuple(peaks),
+        tuple(all_unit_of), local, comm_keys, channels, tuple(peaks), {"ops": tuple(all_ops)},
     )

@@ -698,6 +698,7 @@ def _finishes2(nccl: bool, flat: Flat) -> bool:
             here, finished = position[rank], done[rank]
             posted = bisect_left(rank_batch_units, here)
             again = rank in depends[rank]  # a channel to itself: its own batches starting can complete others
+            fresh = True  # the batch gates need a look: on waking, then whenever more batches got posted
             while True:
                 limit = need_items[bisect_right(need_thresholds, finished)]
                 on_done = limit < end  # the host waits for its own batches (else it reached the end)
@@ -709,9 +710,14 @@ def _finishes2(nccl: bool, flat: Flat) -> bool:
                     limit = cut
                 if limit > here:
                     position[rank] = here = limit
-                    posted = bisect_left(rank_batch_units, limit)
+                    now = bisect_left(rank_batch_units, limit)
+                    fresh = fresh or now > posted
+                    posted = now
                     started[rank] = posted if posted <= finished else finished + 1
                     changed = True
+                if not (fresh or again):
+                    break
+                fresh = False
                 last = posted if posted < rank_dead else rank_dead
                 for q, items, thresholds in rank_batch_gates:
                     item = items[bisect_right(thresholds, started[q])]

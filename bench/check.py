@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import logging
 import statistics
 import subprocess
 import sys
@@ -33,10 +32,6 @@ import pipec  # noqa: E402
 from pipec.errors import PipecError  # noqa: E402
 from pipec.verify import verify  # noqa: E402
 from pipec.verify.deadlock import check_deadlock  # noqa: E402
-
-_TORCH_SIMULATED = {
-    "FORWARD", "FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "SEND_F", "RECV_F", "SEND_B", "RECV_B"
-}
 
 
 def _median(fn, repeat: int) -> tuple[float, object]:
@@ -54,25 +49,10 @@ def _cli(name: str, p: int, m: int, v: int) -> int:
     return subprocess.run(command, capture_output=True, check=False).returncode
 
 
-def _torch(name: str, p: int, m: int, v: int):
-    from torch.distributed.pipelining import schedules as torch_schedules
-    from torch_reference import torch_schedule
+def _torch(name: str, ranks: int, microbatches: int, chunks: int):
+    from torch_reference import torch_simulation
 
-    logging.getLogger("torch.distributed.pipelining.schedules").setLevel(logging.ERROR)
-    schedule = torch_schedule(name, p, m, v)
-    order = {
-        rank: [a for a in actions if a is not None and a.computation_type.name in _TORCH_SIMULATED]
-        for rank, actions in schedule.pipeline_order_with_comms.items()
-    }
-    mapping, stages = schedule.stage_index_to_group_rank, schedule._num_stages
-
-    def run():
-        try:
-            return len(torch_schedules._simulate_comms_compute(order, lambda s: mapping[s], stages)[0])
-        except Exception as e:  # it raises after printing when a schedule stalls
-            return f"failed: {type(e).__name__}"
-
-    return run
+    return torch_simulation(name, ranks, microbatches, chunks)
 
 
 def main(argv: list[str] | None = None) -> int:

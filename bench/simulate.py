@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import logging
 import statistics
 import sys
 import time
@@ -44,39 +43,12 @@ def _median(fn, repeat: int, budget: float) -> tuple[float, int, object]:
     return statistics.median(times), len(times), value
 
 
-_TORCH_SIMULATED = {
-    "FORWARD",
-    "FULL_BACKWARD",
-    "BACKWARD_INPUT",
-    "BACKWARD_WEIGHT",
-    "SEND_F",
-    "RECV_F",
-    "SEND_B",
-    "RECV_B",
-}
 
 
 def _torch_simulate(name: str, ranks: int, microbatches: int, chunks: int):
-    from torch.distributed.pipelining import schedules as torch_schedules
-    from torch_reference import torch_schedule
+    from torch_reference import torch_simulation
 
-    logging.getLogger("torch.distributed.pipelining.schedules").setLevel(logging.ERROR)
-    schedule = torch_schedule(name, ranks, microbatches, chunks)
-    # torch's simulator raises on the UNSHARD/RESHARD/REDUCE_GRAD actions its own lowering adds; keep what it models
-    order = {
-        rank: [a for a in actions if a is not None and a.computation_type.name in _TORCH_SIMULATED]
-        for rank, actions in schedule.pipeline_order_with_comms.items()
-    }
-    mapping = schedule.stage_index_to_group_rank
-    num_stages = schedule._num_stages
-
-    def run():
-        try:
-            return len(torch_schedules._simulate_comms_compute(order, lambda s: mapping[s], num_stages)[0])
-        except Exception as e:  # torch's simulator raises (after printing) when it stalls
-            return f"failed: {type(e).__name__}"
-
-    return run
+    return torch_simulation(name, ranks, microbatches, chunks)
 
 
 def _end_to_end(name: str, ranks: int, microbatches: int, chunks: int) -> object:

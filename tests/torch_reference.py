@@ -86,3 +86,36 @@ def _one_f_one_b(rank: int, ranks: int, microbatches: int) -> list[str]:
         forward += 1
     out.extend(f"{rank}B{m}" for m in range(backward, microbatches))
     return out
+
+
+# What torch's `_simulate_comms_compute` models; its own lowering also adds UNSHARD/RESHARD/REDUCE_GRAD actions,
+# on which the simulator raises.
+_TORCH_SIMULATED = {
+    "FORWARD",
+    "FULL_BACKWARD",
+    "BACKWARD_INPUT",
+    "BACKWARD_WEIGHT",
+    "SEND_F",
+    "RECV_F",
+    "SEND_B",
+    "RECV_B",
+}
+
+
+def torch_simulation(name: str, ranks: int, microbatches: int, chunks: int):
+    """A no-argument function running torch's `_simulate_comms_compute` on its own lowered schedule (the
+    benchmarks' reference): returns the number of steps, or "failed: ..." when torch's simulator stalls."""
+    schedule = torch_schedule(name, ranks, microbatches, chunks)
+    order = {
+        rank: [a for a in actions if a is not None and a.computation_type.name in _TORCH_SIMULATED]
+        for rank, actions in schedule.pipeline_order_with_comms.items()
+    }
+    mapping, num_stages = schedule.stage_index_to_group_rank, schedule._num_stages
+
+    def run() -> int | str:
+        try:
+            return len(torch_schedules._simulate_comms_compute(order, lambda s: mapping[s], num_stages)[0])
+        except Exception as e:  # torch's simulator raises (after printing) when it stalls
+            return f"failed: {type(e).__name__}"
+
+    return run

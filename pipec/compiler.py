@@ -21,12 +21,6 @@ from pipec.ir import Program
 from pipec.library import resolve
 from pipec.passes.p2p import insert_p2p_ops
 
-PHASES = ("ast", "orders", "streams")
-
-
-def load_schedule(schedule: str) -> tuple[str, str, str]:
-    return resolve(schedule)
-
 
 def parse_schedule(schedule: str) -> Schedule:
     """The AST of a .pipe schedule (name, path or source text)."""

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from pipec.emit.streams import program_from_streams
 from pipec.errors import PipecSyntaxError, Span
-from pipec.ir import Action, Instruction, Program, parse_instruction
+from pipec.ir import Instruction, Program, parse_instruction
 
 
 def dump_torch_csv(program: Program, with_comms: bool) -> str:
@@ -44,9 +44,3 @@ def load_torch_csv(text: str, where: str = "<csv>", expected: Mapping[str, int |
         raise PipecSyntaxError(f"{where}: the CSV has no rows")
     return program_from_streams(streams, where, "csv", expected or {})
 
-
-def is_action(cell: str) -> bool:
-    try:
-        return isinstance(parse_instruction(cell), Action)
-    except PipecSyntaxError:
-        return False

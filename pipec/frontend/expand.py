@@ -471,23 +471,6 @@ class _Compiler:
         return emit_pair
 
 
-def _assigned_names(body: Iterable[ast.Stmt]) -> set[str]:
-    names: set[str] = set()
-    for s in body:
-        if isinstance(s, ast.Assign):
-            names.add(s.name)
-        elif isinstance(s, ast.For):
-            names.add(s.var)
-            names |= _assigned_names(s.body)
-        elif isinstance(s, (ast.Repeat, ast.While)):
-            names |= _assigned_names(s.body)
-        elif isinstance(s, ast.If):
-            for _, branch in s.branches:
-                names |= _assigned_names(branch)
-            names |= _assigned_names(s.otherwise)
-    return names
-
-
 def _refuse_assignments(body: Iterable[ast.Stmt], fixed: set[str]) -> None:
     """Parameters, lets, S and the rank variable are fixed for the whole program: assigning one is an error."""
     for s in body:

@@ -3,24 +3,53 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import fields, is_dataclass
-from pathlib import Path
 from types import ModuleType
 
 from pipec.errors import PipecError, PipecInputError
+from pipec.outputs import check_outputs, input_paths, write_text
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+# Numbers on the command line: ASCII digits only (int() and float() also take '٤', '1_000' and ' 4 '), a bounded
+# length (int() of a 5,000-digit string raises deep inside Python), and finite amounts.
+_INTEGER = re.compile(r"[+-]?[0-9]{1,18}")
+_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]{1,3})?")
+
+
+def integer(text: str) -> int:
+    """An argparse type: a decimal integer of at most 18 digits."""
+    if not _INTEGER.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected an integer (ASCII digits, at most 18), got {text!r}")
+    return int(text)
+
+
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def number(text: str) -> float:
+    """An argparse type: a finite decimal number (no inf, nan or overflow)."""
+    if not _NUMBER.fullmatch(text) or not math.isfinite(float(text)):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return float(text)
+
+
+def _amount(text: str) -> float:
+    value = number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
     return value
 
 
@@ -29,16 +58,16 @@ def _assignment(text: str) -> tuple[str, int]:
     if not sep or not name.strip():
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
     try:
-        return name.strip(), int(value)
-    except ValueError:
+        return name.strip(), integer(value.strip())
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"{name.strip()}: expected an integer value, got {value!r}") from None
 
 
 def _schedule_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("schedule", metavar="SCHEDULE", help="bundled name, .pipe file, torch .csv, .txt or .json")
-    parser.add_argument("--ranks", "-P", type=_positive, metavar="P", help="pipeline ranks")
-    parser.add_argument("--microbatches", "-M", type=_positive, metavar="M", help="micro-batches per step")
-    parser.add_argument("--chunks", "-V", type=_positive, metavar="V", help="stages per rank (default 1)")
+    parser.add_argument("--ranks", "-P", type=positive, metavar="P", help="pipeline ranks")
+    parser.add_argument("--microbatches", "-M", type=positive, metavar="M", help="micro-batches per step")
+    parser.add_argument("--chunks", "-V", type=positive, metavar="V", help="stages per rank (default 1)")
     parser.add_argument(
         "--set", action="append", type=_assignment, default=[], metavar="NAME=VALUE", help="a named parameter"
     )
@@ -59,16 +88,6 @@ def _verify_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stage-sizes", type=_sizes, metavar="A,B,...", help="activation units of a micro-batch, per stage (default 1)"
     )
-
-
-def _amount(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
-    return value
 
 
 def _sizes(text: str) -> tuple[float, ...]:
@@ -140,18 +159,83 @@ def _command_module(command: str, module_name: str) -> ModuleType:
         raise
 
 
+# Flags that name files a command writes, and flags that name files it reads: checked against each other before
+# any work, so that `-o my.pipe` cannot replace the schedule it was compiled from.
+OUTPUT_FLAGS = (("output", "-o"), ("trace", "--trace"), ("save", "--save"), ("report", "--report"))
+INPUT_FLAGS = ("schedule", "cost")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     try:
         args = build_parser(command).parse_args(argv)
         handler = getattr(args, "handler", None) or {"compile": _compile, "check": _check, "list": _list}[args.command]
-        return handler(args)
+        check_outputs(
+            {flag: getattr(args, name, None) for name, flag in OUTPUT_FLAGS},
+            input_paths(*(getattr(args, name, None) for name in INPUT_FLAGS)),
+        )
+        code = handler(args)
+        _flush_stdout()
+        return code
     except PipecError as e:
-        print(e.render(), file=sys.stderr)
+        _say_error(e.render())
         return e.exit_code
-    except BrokenPipeError:  # `pipec compile ... | head`
+    except BrokenPipeError:  # `pipec compile ... | head`: the reader has what it wanted
+        _silence_stdout()
         return EXIT_OK
+    except KeyboardInterrupt:
+        _say_error("error: interrupted")
+        return EXIT_INTERRUPTED
+    except OSError as e:  # the machine refused a read or write we did not expect to fail (stdout on a full disk)
+        _silence_stdout()
+        where = f" ({e.filename})" if e.filename else ""
+        _say_error(f"error: input/output failed{where}: {e.strerror or e}")
+        return EXIT_USAGE
+    except MemoryError:
+        _say_error("error: out of memory; the input asks for more than this machine has (try smaller -P/-M/-V)")
+        return EXIT_USAGE
+    except RecursionError:
+        _say_error("error: the input is nested too deeply to process")
+        return EXIT_USAGE
+    except Exception as e:  # a bug in pipec, not the user's fault: one line with what to report, no traceback
+        if os.environ.get("PIPEC_TRACEBACK"):
+            raise
+        _say_error(
+            f"pipec: internal error: {type(e).__name__}: {e}\n"
+            "  this is a bug in pipec; please report it with the command line (PIPEC_TRACEBACK=1 shows where)"
+        )
+        return EXIT_USAGE
+
+
+def _say_error(text: str) -> None:
+    if sys.stderr is not None:
+        try:
+            print(text, file=sys.stderr, flush=True)
+        except OSError:
+            pass  # stderr itself is gone; the exit code still tells
+
+
+def _flush_stdout() -> None:
+    if sys.stdout is None:
+        return
+    try:
+        sys.stdout.flush()
+    except OSError as e:
+        _silence_stdout()
+        if isinstance(e, BrokenPipeError):
+            return
+        raise PipecInputError(f"cannot write to standard output: {e.strerror or e}") from None
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that Python's own flush at exit does not fail a second time."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, AttributeError, ValueError):
+        pass
 
 
 def _params(args: argparse.Namespace) -> dict[str, int]:
@@ -164,13 +248,20 @@ def _params(args: argparse.Namespace) -> dict[str, int]:
 
 
 def _write(text: str, output: str | None) -> None:
+    """Print to standard output, or write the file atomically (pipec.outputs)."""
     if output is None:
-        sys.stdout.write(text)
+        if sys.stdout is None:
+            raise PipecInputError("standard output is closed; give -o FILE")
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            _silence_stdout()
+            raise PipecInputError(f"cannot write to standard output: {e.strerror or e}") from None
         return
-    try:
-        Path(output).write_text(text)
-    except OSError as e:
-        raise PipecInputError(f"cannot write {output}: {e.strerror or e}") from None
+    write_text(output, text)
 
 
 def _compile(args: argparse.Namespace) -> int:

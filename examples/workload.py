@@ -3,6 +3,7 @@
     pipec run 1f1b --ranks 4 --microbatches 8 --model examples.workload:transformer_like --steps 5
     pipec run zbv -P 2 -M 8 --model examples.workload:mlp --report run.json --trace run.trace.json
     torchrun --nproc-per-node 4 -m pipec.run interleaved_1f1b -P 4 -M 8 --model examples.workload:mlp
+    pipec run 1f1b -P 2 --dp 2 -M 4 --model examples.workload:mlp --checkpoint ckpt --checkpoint-every 5
 
 The protocol: a function with no arguments returning an object with
 - `layers`: an nn.Sequential (or a list of modules); pipec splits it into the schedule's stages, in order;

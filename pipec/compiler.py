@@ -5,6 +5,10 @@
     expand    AST + P, M, V -> per-rank compute orders frontend.expand.expand   (or a stream-file loader)
     lower     orders -> orders with SEND/RECV          passes.p2p.insert_p2p_ops
 Verification and back ends take the resulting Program.
+
+Every phase is bounded on hostile input (pipec.frontend.limits): load caps the bytes read, parse the nesting and
+the integer literals, expand P, M, V, the steps, the ops and the wall time; a stream file's P, M and V are checked
+here once loaded, before verification loops over them.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from pipec.emit import load_json, load_text, load_torch_csv
 from pipec.errors import PipecInputError
 from pipec.frontend.ast import Schedule
 from pipec.frontend.expand import expand
+from pipec.frontend.limits import check_sizes
 from pipec.frontend.parser import parse
 from pipec.gcpause import without_cyclic_gc
 from pipec.ir import Program
@@ -27,7 +32,10 @@ def parse_schedule(schedule: str) -> Schedule:
     kind, text, filename = resolve(schedule)
     if kind != "pipe":
         raise PipecInputError(f"{filename} is a {kind} stream file, not a .pipe schedule")
-    return parse(text, filename)
+    try:
+        return parse(text, filename)
+    except RecursionError:  # the parser bounds the nesting; this is the last line of defence
+        raise PipecInputError(f"{filename}: expressions or blocks are nested too deeply to compile") from None
 
 
 def compute_orders(
@@ -42,12 +50,13 @@ def compute_orders(
     expected = {"P": ranks, "M": microbatches, "V": chunks}
     if kind != "pipe" and params:
         raise PipecInputError(f"{filename}: --set applies to .pipe schedules only")
-    if kind == "csv":
-        return load_torch_csv(text, filename, expected)
-    if kind == "text":
-        return load_text(text, filename, expected)
-    if kind == "json":
-        return load_json(text, filename, expected)
+    if kind != "pipe":
+        loader = {"csv": load_torch_csv, "text": load_text, "json": load_json}[kind]
+        program = loader(text, filename, expected)
+        # the file decides P, M and V (M from its largest micro-batch, for instance): the verifier's loops over
+        # stages and micro-batches must not meet an M of 10**12
+        check_sizes(program.ranks, program.microbatches, program.chunks, filename)
+        return program
     try:
         return expand(parse(text, filename), ranks, microbatches, chunks, params, source=filename)
     except RecursionError:

@@ -12,9 +12,10 @@ import re
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from fractions import Fraction
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pipec.errors import PipecSyntaxError
+from pipec.frontend.limits import MAX_MICROBATCHES, MAX_STAGES
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -56,6 +57,10 @@ class Action(NamedTuple):
         # `_value_` is a plain attribute; `.value` goes through enum's descriptor, ~40% of text emission
         return f"{self.stage}{self.kind._value_}{self.mb}"
 
+    # The text form, which parse_instruction reads back: a stream (a tuple of instructions) then prints as
+    # `(0F0, 0SEND_F0, 0F1, ...)` rather than `(Action(stage=0, kind=<Kind.F: 'F'>, mb=0), ...)`.
+    __repr__ = __str__
+
     @property
     def parts(self) -> tuple[Action, ...]:
         return (self,)
@@ -69,6 +74,8 @@ class Overlap(NamedTuple):
 
     def __str__(self) -> str:
         return f"({self.first};{self.second})OVERLAP_F_B"
+
+    __repr__ = __str__  # as Action's: the text form, which parse_instruction reads back
 
     @property
     def parts(self) -> tuple[Action, ...]:
@@ -85,7 +92,7 @@ def parse_instruction(text: str) -> Instruction:
     """The inverse of ``str(instruction)``; also accepts the .pipe literal pair form `0F1&1B2`."""
     text = text.strip()
     if m := _ACTION_RE.fullmatch(text):
-        return Action(int(m[1]), Kind(m[2]), int(m[3]))
+        return Action(_number(m[1], "stage", text), Kind(m[2]), _number(m[3], "micro-batch", text))
     m = _OVERLAP_RE.fullmatch(text)
     halves = (m[1], m[2]) if m else tuple(text.split("&")) if text.count("&") == 1 else None
     if halves:
@@ -103,6 +110,17 @@ def parse_instruction(text: str) -> Instruction:
     )
 
 
+def _number(digits: str, what: str, text: str) -> int:
+    """A stage or micro-batch number of an action, refused beyond the limits before int() converts it: a stream
+    file's actions decide its P, M and V, and a 5,000-digit number would also exceed Python's int-string limit."""
+    limit = MAX_STAGES if what == "stage" else MAX_MICROBATCHES
+    digits = digits.lstrip("0") or "0"
+    if len(digits) > len(str(limit)) or int(digits) >= limit:
+        shown = text if len(text) <= 40 else text[:37] + "..."
+        raise PipecSyntaxError(f"{shown!r}: the {what} number is over pipec's limit of {limit - 1:,}")
+    return int(digits)
+
+
 def v_placement(ranks: int, stages: int) -> tuple[int, ...]:
     """Stage -> rank for the V (zig-zag) shape: rank r holds stages r, 2P-1-r, 2P+r, ..."""
     return tuple(s % ranks if (s // ranks) % 2 == 0 else ranks - 1 - s % ranks for s in range(stages))
@@ -113,9 +131,14 @@ def loop_placement(ranks: int, stages: int) -> tuple[int, ...]:
     return tuple(s % ranks for s in range(stages))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Program:
-    """A compiled schedule: per-rank instruction streams and the parameters they were compiled for."""
+    """A compiled schedule: per-rank instruction streams and the parameters they were compiled for.
+
+    ``program.check()`` (raise ScheduleError unless every verification pass holds) is ``pipec.check``, attached by
+    ``pipec/__init__.py``: the verifier is a layer above the IR and imports it, so the IR must not import the
+    verifier (docs/architecture.md, "Layers").
+    """
 
     name: str
     ranks: int
@@ -156,31 +179,28 @@ class Program:
     def with_streams(self, streams: tuple[tuple[Instruction, ...], ...], has_comms: bool) -> Program:
         return replace(self, streams=streams, has_comms=has_comms)
 
-    def check(
-        self,
-        p2p: str = "nccl",
-        memory_limit: float | None = None,
-        input_fraction: float | None = None,
-        stage_sizes: Sequence[float] | None = None,
-    ):
-        """Run every verification pass; raises ScheduleError when the schedule is invalid.
-
-        ``input_fraction`` (the share of activations I frees, default 0.5) and ``stage_sizes`` (activations per
-        stage, default 1 each) are the memory model, as for ``pipec.verify.verify``.
-        """
-        from pipec.verify import verify
-        from pipec.verify.memory import DEFAULT_INPUT_FRACTION
-
-        if input_fraction is None:
-            input_fraction = DEFAULT_INPUT_FRACTION
-        report = verify(
-            self, p2p=p2p, memory_limit=memory_limit, input_fraction=input_fraction, stage_sizes=stage_sizes
-        )
-        report.raise_if_failed()
-        return report
-
     def graph(self) -> nx.DiGraph:
         return build_graph(self)
+
+    if TYPE_CHECKING:  # the signature for type checkers and editors; the method itself is pipec.check
+
+        def check(
+            self,
+            p2p: str = "nccl",
+            memory_limit: float | None = None,
+            input_fraction: float | None = None,
+            stage_sizes: Sequence[float] | None = None,
+        ) -> Any: ...
+
+    def __repr__(self) -> str:
+        # the generated repr printed every instruction of every rank: thousands of lines for one REPL echo
+        named = "".join(f" {k}={v}" for k, v in self.params.items() if k not in ("P", "M", "V"))
+        count = sum(map(len, self.streams))
+        what = "instructions with send/recv" if self.has_comms else "compute instructions"
+        return (
+            f"<Program {self.name} P={self.ranks} M={self.microbatches} V={self.chunks}{named}: "
+            f"{self.ranks} ranks, {self.num_stages} stages, {count:,} {what}>"
+        )
 
 
 def build_graph(program: Program) -> nx.DiGraph:

@@ -68,14 +68,24 @@ def check_outputs(outputs: Mapping[str, str | None], inputs: Iterable[str | None
         folder = os.path.dirname(real) or "."
         if not os.path.isdir(folder):
             raise PipecInputError(f"{flag} {path}: the directory {os.path.dirname(path) or '.'} does not exist")
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise PipecInputError(f"{flag} {path}: the directory {os.path.dirname(path) or '.'} is not writable")
-        if os.path.exists(path) and not os.access(path, os.W_OK):
-            raise PipecInputError(f"{flag} {path}: the file exists and is not writable")
+        _probe(flag, path, folder)
         label = f"the output of {flag} {path}"
         if key is not None:
             seen[key] = label
         seen[real] = label
+
+
+def _probe(flag: str, path: str, folder: str) -> None:
+    """Create and remove a file beside the output: the only test that also holds for root, for whom os.access
+    says yes on a read-only mount, /proc or /sys, where the write would otherwise fail only after the work."""
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".pipec-probe-", dir=folder)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as e:
+        raise PipecInputError(f"{flag} {path}: cannot create a file in {folder}: {e.strerror or e}") from None
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise PipecInputError(f"{flag} {path}: the file exists and is not writable")
 
 
 def write_text(path: str, text: str) -> None:

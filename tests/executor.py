@@ -14,6 +14,8 @@ of the point-to-point rule (docs/verification.md) literally, one lockstep round 
   recorded;
 - `tagged`: a posted send completes at once and leaves its message in the receiver's mailbox; a receive
   completes once its message is there; batches complete in any order;
+- `torch` (torch's `_PipelineScheduleRuntime`, docs/torch.md): as `nccl`, except that every SEND/RECV instruction
+  is posted as a batch of its own, never together with its neighbours;
 - a rank is finished when it reached the end of its stream and every batch it posted completed;
 - a program without send/recv instructions reads other ranks' tensors directly (one shared store).
 The run ends when a round makes no progress: it completed if every rank finished.
@@ -86,7 +88,8 @@ class Batch:
 
 
 def run(program: Program, model: str) -> Outcome:
-    assert model in ("nccl", "tagged")
+    assert model in ("nccl", "tagged", "torch")
+    in_order = model != "tagged"  # nccl and torch: one stream of batches per rank, channels matched in order
     streams = [list(s) for s in program.streams]
     ranks = len(streams)
     last = program.num_stages - 1
@@ -140,7 +143,7 @@ def run(program: Program, model: str) -> Outcome:
             batch = rank_batches[k]
             if batch.completed:
                 continue
-            if model == "nccl":
+            if in_order:
                 if not batch.running:
                     if k == 0 or batches[rank][k - 1].completed:
                         batch.running = True
@@ -160,7 +163,7 @@ def run(program: Program, model: str) -> Outcome:
                     if not entry[4]:
                         stores[rank].add(_message(entry[0]))
                 changed = True
-            elif model == "nccl":
+            elif in_order:
                 break  # the next batch cannot start before this one completes
         return changed
 
@@ -198,8 +201,8 @@ def run(program: Program, model: str) -> Outcome:
             if pc[rank] < len(stream):
                 instruction = stream[pc[rank]]
                 if is_comm(instruction):
-                    end = pc[rank]
-                    while end < len(stream) and is_comm(stream[end]):
+                    end = pc[rank] + 1  # torch posts each send/recv by itself
+                    while model != "torch" and end < len(stream) and is_comm(stream[end]):
                         end += 1
                     if post(rank, pc[rank], end):
                         pc[rank] = end
@@ -211,7 +214,7 @@ def run(program: Program, model: str) -> Outcome:
                             stores[rank].update(_produces(action))
                         pc[rank] += 1
                         progress = True
-            if model == "nccl" and match_nccl():
+            if in_order and match_nccl():
                 progress = True
             if settle(rank):
                 progress = True

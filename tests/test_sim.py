@@ -49,7 +49,7 @@ def gap(request):
     return mark
 
 
-MODELS = ["ideal", "nccl"]
+MODELS = ["ideal", "nccl", "torch"]
 
 
 def _load(name: str, P: int, M: int, V: int, p2p: str):
@@ -138,9 +138,9 @@ def test_nccl_reaches_the_compute_order_where_batches_hold_no_late_receive(name,
 # ---- the nccl rule (version 2), by hand ------------------------------------------------------------------------
 
 
-def _program(rows: list[str], P: int = 2, M: int = 2) -> Program:
+def _program(rows: list[str], P: int = 2, M: int = 2, forward_only: bool = False) -> Program:
     streams = tuple(tuple(parse_instruction(t) for t in row.split()) for row in rows)
-    return Program("hand", P, M, 1, tuple(range(P)), streams, has_comms=True)
+    return Program("hand", P, M, 1, tuple(range(P)), streams, has_comms=True, forward_only=forward_only)
 
 
 HAND = [
@@ -179,7 +179,7 @@ def test_sends_do_not_block_the_host(tmp_path):
     completed (one NCCL stream), and the step ends when the last one has."""
     rows = ["0F0 0SEND_F0 0F1 0SEND_F1 0F2 0SEND_F2", "1RECV_F0 1F0 1RECV_F1 1F1 1RECV_F2 1F2"]
     costs = parse_costs(str(_write(tmp_path, {"F": [1, 5]})))
-    result = simulate(_program(rows, M=3), costs, record=True)
+    result = simulate(_program(rows, M=3, forward_only=True), costs, record=True)
     compute = [(op.start, op.end) for op in result.timeline[0] if not op.is_comm]
     assert compute == [(0.0, 1.0), (1.0, 2.0), (2.0, 3.0)]
     assert [(op.start, op.end) for op in result.timeline[0] if op.is_comm] == [(1.0, 1.0), (2.0, 6.0), (6.0, 11.0)]
@@ -195,9 +195,8 @@ def test_batches_of_a_rank_run_in_order_and_are_waited_for_whole():
         "1RECV_F0 1F0 1SEND_F0 1RECV_F1 1F1 1SEND_F1 1RECV_F2 1F2 1SEND_F2",
         "2RECV_F0 2F0 2RECV_F1 2F1 2RECV_F2 2F2",
     ]
-    program = Program(
-        "hand", 3, 3, 1, (0, 1, 2), tuple(tuple(map(parse_instruction, r.split())) for r in rows), has_comms=True
-    )
+    streams = tuple(tuple(map(parse_instruction, r.split())) for r in rows)
+    program = Program("hand", 3, 3, 1, (0, 1, 2), streams, has_comms=True, forward_only=True)
     result = simulate(program, Costs(F=(1.0, 1.0, 5.0)), record=True)
     line = [
         (str(op.instruction) if not op.is_comm else " ".join(map(str, op.instruction)), op.start, op.end)
@@ -245,13 +244,19 @@ def test_deadlock_is_reported():
 
 
 def test_a_send_nobody_receives_holds_the_end_of_the_step():
-    rows = ["0F0 0SEND_F0 0SEND_F0", "1RECV_F0 1F0"]  # one send too many on the pair
-    with pytest.raises(ScheduleError, match=r"(?s)rank 0 is stuck at the end of the step.*2nd receive from rank 0"):
-        simulate(_program(rows, M=1))
+    # rank 1 never posts its receive (its first batch sends 1F0's output before computing it), so rank 0, done
+    # computing, waits at the end of its step for [0SEND_F0]
+    rows = ["0F0 0SEND_F0", "1SEND_F0 1RECV_F0 1F0", "2RECV_F0 2F0"]
+    with pytest.raises(
+        ScheduleError,
+        match=r"(?s)rank 0 is stuck at the end of the step, waiting for batch \[0SEND_F0\] \(op 1\): 0SEND_F0 waits "
+        r"for rank 1's 1st receive from rank 0 to run",
+    ):
+        simulate(_program(rows, P=3, M=1, forward_only=True))
 
 
 def test_compute_before_its_input_is_an_error():
-    rows = ["0F0 0B0 0SEND_F0", "1RECV_F0 1F0 1B0"]  # 0B0 runs before the gradient could exist
+    rows = ["0F0 0SEND_F0 0B0 0RECV_B0", "1RECV_F0 1F0 1B0 1SEND_B0"]  # 0B0 runs before its receive is posted
     with pytest.raises(ScheduleError, match="0B0 runs before its input gradient from stage 1 is received"):
         simulate(_program(rows, M=1))
 
@@ -261,8 +266,9 @@ def test_compute_before_its_input_is_an_error():
 
 def _check_timeline(result, costs: Costs, p2p: str = "nccl") -> None:
     """Program order, durations, data dependencies (plus message time across ranks), the p2p rule's waits (a compute
-    starts after the batch holding its receive has completed; nccl: a rank's batches run one after another and a
-    message completes message_time after the later of its two batches started) and the totals."""
+    starts after the batch holding its receive has completed; nccl and torch: a rank's batches run one after another
+    and a message completes message_time after the later of its two batches started; torch: a batch is one op) and
+    the totals."""
     program = result.program
     durations = costs.per_stage(program.num_stages)
     where = program.stage_to_rank
@@ -272,9 +278,11 @@ def _check_timeline(result, costs: Costs, p2p: str = "nccl") -> None:
         clock = comm_clock = 0.0
         for op in line:
             if op.is_comm:
-                if p2p == "nccl":
+                if p2p in ("nccl", "torch"):
                     assert op.start >= comm_clock - 1e-9, f"rank {rank} runs two batches at once at {op}"
                     comm_clock = op.end
+                if p2p == "torch":
+                    assert len(op.instruction) == 1, f"rank {rank} posts {op.instruction} together"
                 for action in op.instruction:
                     batch_of[(rank, action)] = op
                 continue
@@ -308,7 +316,7 @@ def _check_timeline(result, costs: Costs, p2p: str = "nccl") -> None:
                         assert batch_of[(rank, recv)].end <= op.start + 1e-9, f"{op.instruction} before its batch"
     for m in result.messages:
         assert close(m.end - m.start, hop)
-        if p2p == "nccl":
+        if p2p in ("nccl", "torch"):
             assert close(m.start, max(batch_of[(m.src, m.send)].start, batch_of[(m.dst, m.recv)].start))
     ends = [op.end for line in result.timeline for op in line]
     assert close(result.makespan, max(ends))
@@ -334,7 +342,7 @@ LIBRARY = [
 
 @pytest.mark.parametrize(("name", "V"), LIBRARY)
 @pytest.mark.parametrize("costs", ["F=1,B=2,W=1", "F=1.3,B=2.9,W=0.7,latency=0.2,size=4,bandwidth=8,overlap=1"])
-@pytest.mark.parametrize("p2p", ["nccl", "tagged", "ideal"])
+@pytest.mark.parametrize("p2p", ["nccl", "tagged", "torch", "ideal"])
 def test_library_timelines_are_valid(name, V, costs, p2p):
     c = parse_costs(costs)
     for P, M in ((2, 4), (4, 8)):
@@ -376,7 +384,8 @@ def test_find_waits_names_the_batch_and_the_peer():
         "2RECV_F0 2F0 2RECV_F1 2F1 2RECV_F2 2F2",
     ]
     streams = tuple(tuple(map(parse_instruction, r.split())) for r in rows)
-    result = simulate(Program("hand", 3, 3, 1, (0, 1, 2), streams, has_comms=True), Costs(F=(1.0, 1.0, 5.0)), True)
+    program = Program("hand", 3, 3, 1, (0, 1, 2), streams, has_comms=True, forward_only=True)
+    result = simulate(program, Costs(F=(1.0, 1.0, 5.0)), True)
     waits = find_waits(result)
     assert [(w.kind, w.rank, w.time, w.until) for w in waits] == [("batch", 1, 3.0, 7.0)]
     assert "1F2" in waits[0].text and "[1SEND_F1 1RECV_F2]" in waits[0].text and "1SEND_F1" in waits[0].text
@@ -387,7 +396,8 @@ def test_critical_waits_on_a_fifo_hand_case(tmp_path):
     """Rank 0 of the two-rank program: [0SEND_F2] is posted at 3 but starts at 6 behind [0SEND_F1], which waits
     for rank 1 to post its receive; rank 1's chain of 5-unit forwards is the critical path, without waits."""
     rows = ["0F0 0SEND_F0 0F1 0SEND_F1 0F2 0SEND_F2", "1RECV_F0 1F0 1RECV_F1 1F1 1RECV_F2 1F2"]
-    result = simulate(_program(rows, M=3), parse_costs(str(_write(tmp_path, {"F": [1, 5]}))), record=True)
+    costs = parse_costs(str(_write(tmp_path, {"F": [1, 5]})))
+    result = simulate(_program(rows, M=3, forward_only=True), costs, record=True)
     assert [(w.kind, w.rank, w.time, w.until) for w in find_waits(result)] == [("fifo", 0, 3.0, 6.0)]
     assert critical_waits(result) == []
 
@@ -445,6 +455,49 @@ def test_cost_parsing(tmp_path):
             parse_costs(bad)
     with pytest.raises(PipecInputError, match="3 entries"):
         parse_costs('{"F": [1, 2, 3]}' and str(_write(tmp_path, {"F": [1, 2, 3]}))).per_stage(2)
+
+
+def test_cost_text_is_a_file_only_when_one_exists(tmp_path, monkeypatch):
+    # `F:1` is a slip for F=1, not the name of a missing file; a file that exists is read whatever its name
+    with pytest.raises(PipecInputError, match=r"expected NAME=VALUE pairs such as F=1,B=2, got 'F:1'; write F=1"):
+        parse_costs("F:1,B:2")
+    with pytest.raises(PipecInputError, match=r"--cost 'F': no such cost file; give NAME=VALUE pairs"):
+        parse_costs("F")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "F=3").write_text('{"F": 2}')
+    (tmp_path / "costs").write_text('{"F": 4}')
+    assert parse_costs("F=3").F == 2.0 and parse_costs("costs").F == 4.0
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("F=1,B=2,W=3", "W = 3 is larger than B = 2, so I = B - W would be -1"),
+        ("W=3", "W = 3 is larger than B = 2 (the default), so I = B - W would be -1"),
+        ("I=3,B=2", "I = 3 is larger than B = 2, so W = B - I would be -1"),
+        ("B=3,I=1,W=1", "B = 3 but I + W = 1 + 1 = 2"),
+        ("f=1,b=2", "unknown cost 'f' (names are case-sensitive: did you mean F?)"),
+        ("F=1,Q=2,q=3", "unknown cost 'Q';"),  # the first unknown one, and no case hint when none fits
+    ],
+)
+def test_cost_messages_give_the_numbers_and_the_first_unknown_name(spec, message):
+    with pytest.raises(PipecInputError) as error:
+        parse_costs(spec)
+    assert message in str(error.value)
+    assert "..." not in str(error.value)  # no unevaluated formula
+
+
+def test_per_stage_costs_name_the_stage(tmp_path):
+    with pytest.raises(PipecInputError, match=r"W = 2 is larger than B = 1 at stage 2, so I = B - W would be -1"):
+        parse_costs(str(_write(tmp_path, {"B": [2, 2, 1], "W": [1, 1, 2]})))
+
+
+def test_time_units_are_singular_for_one():
+    from pipec.sim.costs import time_units
+
+    assert (time_units(1), time_units(1.0), time_units(0.5), time_units(2)) == (
+        "1 time unit", "1 time unit", "0.5 time units", "2 time units"
+    )
 
 
 def _write(tmp_path, data):

@@ -1,10 +1,11 @@
 """The simulator's verdict (runs to the end, or raises ScheduleError) equals the verifier's on random broken
-programs (tests/strategies.py), under both p2p models.
+programs (tests/strategies.py), under every p2p model (nccl, tagged, torch).
 
-The verifier checks structure separately; the simulator does not (a dropped backward still simulates), so only
-programs whose structure is sound are compared. On those, the simulator must complete exactly when the verifier
-finds no deadlock and, under nccl, no p2p order mismatch. A send placed before its rank computes the value it
-sends is one of the mistakes drawn (`swap`, `duplicate`, `reorder_comms` move sends up): the rank is stuck there.
+A program whose structure the verifier refuses is refused by the simulator too, with the structure pass's own
+lines (a dropped backward used to simulate without a word). On the others, the simulator must complete exactly
+when the verifier finds no deadlock and, under nccl and torch, no p2p order mismatch. A send placed before its
+rank computes the value it sends is one of the mistakes drawn (`swap`, `duplicate`, `reorder_comms` move sends
+up): the rank is stuck there.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pipec.errors import ScheduleError
 from pipec.ir import Action, Kind
 from pipec.sim import simulate
 from pipec.verify import verify
+from pipec.verify.deadlock import IN_ORDER, MODELS
 
 BROKEN = settings(
     max_examples=600, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow], database=None
@@ -38,11 +40,17 @@ def _completes(program, model: str) -> bool:
 @given(broken_programs())
 def test_simulator_verdicts_equal_the_verifier(case) -> None:
     program, mutation = case
-    for model in ("tagged", "nccl"):
+    for model in MODELS:
         report = verify(program, p2p=model)
-        if not report.verdict("structure").ok:
+        structure = report.verdict("structure")
+        if not structure.ok:
+            with pytest.raises(ScheduleError) as error:
+                simulate(program, p2p=model)
+            lines = str(error.value).splitlines()
+            assert lines[0].startswith("error: structure FAILED"), (model, mutation, lines)
+            assert lines[1:] == ["  " + line for line in structure.explanation.splitlines()], (model, mutation)
             continue
-        accepted = report.verdict("deadlock").ok and (model == "tagged" or report.verdict("p2p order").ok)
+        accepted = report.verdict("deadlock").ok and (model not in IN_ORDER or report.verdict("p2p order").ok)
         assert _completes(program, model) == accepted, (model, mutation, report.render())
 
 
@@ -57,9 +65,10 @@ def _send_moved_up(name: str, ranks: int, mbs: int, send: Action, before: Action
     return replace(program, streams=tuple(streams))
 
 
-@pytest.mark.parametrize("model", ["nccl", "tagged"])
+@pytest.mark.parametrize("model", MODELS)
 def test_a_send_before_its_value_is_computed_is_a_deadlock(model) -> None:
-    # rank 0 runs 0F0 0SEND_F0 0SEND_F2 0F1 ...: 0F2 comes later, so the batch [0SEND_F0 0SEND_F2] is never posted
+    # rank 0 runs 0F0 0SEND_F0 0SEND_F2 0F1 ...: 0F2 comes later, so the batch [0SEND_F0 0SEND_F2] (torch: the post
+    # of 0SEND_F2) never happens
     program = _send_moved_up("1f1b", 2, 3, Action(0, Kind.SEND_F, 2), Action(0, Kind.F, 1))
     assert not verify(program, p2p=model).verdict("deadlock").ok
     with pytest.raises(ScheduleError) as error:

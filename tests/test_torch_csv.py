@@ -13,10 +13,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from torch.distributed.pipelining import schedules as torch_schedules  # noqa: E402
-from torch_reference import _stage  # noqa: E402
+from torch_reference import HIDDEN, _stage, stage_module  # noqa: E402
 
 import pipec  # noqa: E402
 from pipec.emit import dump_torch_csv  # noqa: E402
+from pipec.emit.torch_csv import TORCH_RUNTIME_ONLY  # noqa: E402
 
 CASES = [
     ("1f1b", 4, 8, 1),
@@ -50,12 +51,15 @@ def test_torch_loads_pipec_csv(name: str, ranks: int, microbatches: int, chunks:
     comms_csv.write_text(dump_torch_csv(program, with_comms=True))
     schedule = _runtime(program)
     schedule._load_csv(str(comms_csv), format="compute_comms")
+    # pipec's streams as written, plus torch's REDUCE_GRAD/UNSHARD/RESHARD (test_torch_api checks where they go)
+    order = {
+        rank: [a for a in actions if a.computation_type.name not in TORCH_RUNTIME_ONLY]
+        for rank, actions in schedule.pipeline_order_with_comms.items()
+    }
     for rank, stream in enumerate(program.streams):
-        assert [str(a) for a in schedule.pipeline_order_with_comms[rank]] == [str(i) for i in stream]
+        assert [str(a) for a in order[rank]] == [str(i) for i in stream]
     if not any(isinstance(i, pipec.Overlap) for s in program.streams for i in s):  # torch's simulator has no overlap
-        torch_schedules._simulate_comms_compute(
-            schedule.pipeline_order_with_comms, lambda s: program.stage_to_rank[s], program.num_stages
-        )
+        torch_schedules._simulate_comms_compute(order, lambda s: program.stage_to_rank[s], program.num_stages)
 
 
 def test_pipec_reads_torch_dumped_csv(tmp_path: Path) -> None:
@@ -72,15 +76,7 @@ def test_pipec_reads_torch_dumped_csv(tmp_path: Path) -> None:
 
 # ---- a real run: torch's runtime executing pipec's CSV equals torch's own schedule ----------------------------
 
-HIDDEN, LAYERS_PER_STAGE, BATCH = 8, 2, 8
-
-
-def _stage_module(stage: int) -> torch.nn.Module:
-    torch.manual_seed(1000 + stage)
-    layers = []
-    for _ in range(LAYERS_PER_STAGE):
-        layers += [torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh()]
-    return torch.nn.Sequential(*layers)
+BATCH = 8
 
 
 def _worker(rank: int, world: int, port: int, csv_path: str, chunks: int, microbatches: int, out: str) -> None:
@@ -95,15 +91,15 @@ def _worker(rank: int, world: int, port: int, csv_path: str, chunks: int, microb
         results = {}
         for mode in ("torch", "pipec"):
             stage_ids = [rank + c * world for c in range(chunks)]
-            modules = {s: _stage_module(s) for s in stage_ids}
+            modules = {s: stage_module(s) for s in stage_ids}
             stages = [PipelineStage(modules[s], s, num_stages, torch.device("cpu")) for s in stage_ids]
             loss_fn = torch.nn.MSELoss()
             if mode == "torch":
                 schedule = torch_schedules.ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss_fn)
             else:
                 schedule = torch_schedules._PipelineScheduleRuntime(stages, microbatches, loss_fn=loss_fn)
-                # compute_only: torch's own lowering adds the comms and the REDUCE_GRAD its runtime needs (a
-                # compute_comms file without REDUCE_GRAD actions leaves gradients M times too large in torch).
+                # compute_only: torch's own lowering adds the comms (tests/test_torch_api.py runs pipec's
+                # compute_comms files, REDUCE_GRAD included).
                 schedule._load_csv(csv_path, format="compute_only")
             torch.manual_seed(0)
             x, target = torch.randn(BATCH, HIDDEN), torch.randn(BATCH, HIDDEN)

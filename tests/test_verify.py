@@ -12,9 +12,12 @@ from strategies import naive_lowering
 
 import pipec
 from pipec.cli import main
-from pipec.ir import Action, Kind
+from pipec.ir import Action, Kind, loop_placement
 from pipec.library import bundled_names
-from pipec.verify import verify
+from pipec.passes.p2p import insert_p2p_ops
+from pipec.sim import simulate
+from pipec.verify import run_compute_orders, run_streams, verify
+from pipec.verify.explain import GRID_MAX_RANKS, MAX_CHAIN
 from pipec.verify.memory import peak_activations
 
 CORPUS = Path(__file__).parent / "bad_schedules"
@@ -43,10 +46,11 @@ def _library(ranks=RANKS, microbatches=MICROBATCHES, chunks=CHUNKS):
                         yield name, p, m, v, program
 
 
-def test_library_is_accepted_under_both_models() -> None:
+def test_library_is_accepted_under_every_model() -> None:
+    """nccl, tagged and torch (torch's runtime running pipec's send/recv placement, as pipec.torch does)."""
     seen: dict[str, int] = {}
     for name, p, m, v, program in _library():
-        for model in ("nccl", "tagged"):
+        for model in ("nccl", "tagged", "torch"):
             report = verify(program, p2p=model)
             assert report.ok, f"{name} P={p} M={m} V={v} under {model}:\n{report.render()}"
             assert report.peak_memory == peak_activations(program)  # the fused count equals memory_profile's
@@ -58,7 +62,7 @@ def test_library_is_accepted_under_both_models() -> None:
 def test_library_runs_to_the_end_in_the_independent_executor() -> None:
     for name, p, m, v, _ in _library(ranks=(2, 3, 4), microbatches=(1, 3, 4, 8), chunks=(1, 2)):
         program = pipec.compile(name, p, m, v)
-        for model in ("nccl", "tagged"):
+        for model in ("nccl", "tagged", "torch"):
             outcome = executor.run(program, model)
             assert outcome.completed and not outcome.mismatches, (name, p, m, v, model, outcome)
 
@@ -72,7 +76,7 @@ def test_placed_streams_are_accepted_and_reach_the_compute_orders_makespan() -> 
     checked = 0
     for name, p, m, v, compute in _library(microbatches=(1, 2, 3, 4, 8, 12)):
         program = pipec.compile(name, p, m, v)
-        for model in ("nccl", "tagged"):
+        for model in ("nccl", "tagged", "torch"):
             report = verify(program, p2p=model)
             assert report.ok, f"{name} P={p} M={m} V={v} under {model}:\n{report.render()}"
         placed, ideal = simulate(program).makespan, simulate(compute, p2p="ideal").makespan
@@ -153,6 +157,63 @@ def test_deadlock_explanation_names_real_ops_and_marks_the_grid() -> None:
     outcome = executor.run(program, "nccl")
     assert not outcome.completed
     assert executor.run(program, "tagged").completed
+
+
+def _ring(ranks: int) -> pipec.Program:
+    """Two stages per rank (stage s on rank s mod P), each rank running its second stage's forward first: rank r's
+    F(P + r) waits for rank r - 1's F(P + r - 1), and rank 0's F(P) for rank P - 1's F(P - 1), which that rank runs
+    only after its own F(2P - 1): one cycle of waits through every rank."""
+    streams = tuple(
+        (Action(ranks + r, Kind.F, 0), Action(r, Kind.F, 0), Action(r, Kind.B, 0), Action(ranks + r, Kind.B, 0))
+        for r in range(ranks)
+    )
+    return pipec.Program("ring", ranks, 1, 2, loop_placement(ranks, 2 * ranks), streams)
+
+
+@pytest.mark.parametrize("model", ["tagged", "nccl"])  # the compute orders as they are, and lowered to streams
+@pytest.mark.parametrize("ranks", [MAX_CHAIN + 2, MAX_CHAIN + 3, 2000])
+def test_a_cycle_of_waits_through_many_ranks_is_cut_short(ranks: int, model: str) -> None:
+    """The chain of waits shows its first MAX_CHAIN links, counts the rest in one line, then shows the link that
+    closes the cycle; the grid keeps to GRID_MAX_RANKS of the chain's ranks. A chain that would hide one link is
+    shown whole."""
+    deadlock = verify(_ring(ranks), p2p=model).verdict("deadlock")
+    assert deadlock is not None and not deadlock.ok
+    lines = deadlock.explanation.splitlines()
+    head = next(n for n, line in enumerate(lines) if line.startswith("  the waits "))
+    assert lines[head].split(" (stuck:")[0].endswith(f"from rank {ranks - 1}")
+    end = next(n for n, line in enumerate(lines) if "on this chain already" in line)
+    chain = lines[head + 1 : end]
+    assert lines[end].startswith(f"    and rank {ranks - 1} is on this chain already: the waits form a cycle")
+
+    def rank_of(line: str) -> int:
+        found = re.match(r"    (?:then )?rank (\d+) ", line)
+        assert found, line
+        return int(found[1])
+
+    hidden = ranks - MAX_CHAIN - 1
+    if hidden <= 1:
+        assert [rank_of(line) for line in chain] == list(range(ranks - 1, -1, -1))
+    else:
+        assert len(chain) == MAX_CHAIN + 2
+        assert [rank_of(line) for line in chain[:MAX_CHAIN]] == list(range(ranks - 1, ranks - 1 - MAX_CHAIN, -1))
+        assert chain[MAX_CHAIN] == f"    ... {hidden} more ranks, each waiting for the next ..."
+        assert rank_of(chain[-1]) == 0  # the closing link: rank 0 waits for the rank the chain started at
+        assert f"rank {ranks - 1} op" in chain[-1]
+    grid = lines[lines.index("", end) + 1 :]
+    columns = [int(rank) for rank in re.findall(r"rank (\d+)", grid[0])]
+    assert columns == sorted([*range(ranks - GRID_MAX_RANKS + 1, ranks), 0])
+    assert len(lines) < 40 and max(map(len, grid)) < 150
+
+
+def test_each_engine_runs_its_kind_of_program() -> None:
+    """run_compute_orders runs compute orders only: given streams with send/recv it says which engine runs them
+    (it used to hand them on silently, returning the other engine's kind of run)."""
+    orders = _ring(4)
+    assert run_compute_orders(orders, "tagged").stuck == [0, 1, 2, 3]
+    lowered = insert_p2p_ops(orders)
+    with pytest.raises(ValueError, match="run_streams"):
+        run_compute_orders(lowered, "nccl")
+    assert run_streams(lowered, "nccl").stuck == [0, 1, 2, 3]
 
 
 def test_order_mismatch_names_the_channel_and_both_ops() -> None:
@@ -272,3 +333,56 @@ def test_a_rank_can_be_stuck_at_the_end_of_the_step_waiting_for_its_sends(tmp_pa
     tagged = verify(program, p2p="tagged").verdict("deadlock")
     assert not tagged.ok and "rank 2" not in tagged.explanation.splitlines()[0]  # only ranks 0 and 1 are stuck
     assert not executor.run(program, "tagged").completed
+
+
+TORCH_DEADLOCK = CORPUS / "torch_send_behind_recv.csv"  # valid under nccl, a deadlock in torch's runtime
+
+
+def test_a_stream_valid_under_nccl_deadlocks_under_torchs_rule(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Rank 0 posts 0RECV_B0 then 0SEND_F0: one batch under pipec's rule (both run at once), two posts in torch's
+    runtime, where the send waits behind the receive on rank 0's NCCL stream and the receive waits for rank 1's
+    backward, which needs that send. Verifier, simulator, executor and CLI agree; the comms CSV export is refused
+    whatever --p2p says (the file is for torch's runtime)."""
+    program = pipec.compile(str(TORCH_DEADLOCK))
+    assert verify(program, p2p="nccl").ok and verify(program, p2p="tagged").ok
+    report = verify(program, p2p="torch")
+    assert report.verdict("structure").ok and report.verdict("p2p order").ok and not report.ok
+    chain = report.verdict("deadlock").explanation
+    assert "queued behind an earlier batch of rank 0" in chain and "the waits form a cycle" in chain, chain
+    assert executor.run(program, "nccl").completed
+    outcome = executor.run(program, "torch")
+    assert not outcome.completed and outcome.positions == (3, 1)  # at 0B0 and at 1F0, as the grid marks
+    assert simulate(program).makespan > 0
+    with pytest.raises(pipec.ScheduleError, match="deadlock under the torch p2p model"):
+        simulate(program, p2p="torch")
+    with pytest.raises(pipec.ScheduleError, match=r"deadlock: deadlock under the torch model: 2 ranks"):
+        program.check(p2p="torch")
+
+    assert main(["check", str(TORCH_DEADLOCK)]) == 0
+    assert main(["check", str(TORCH_DEADLOCK), "--p2p", "torch"]) == 1
+    assert chain.splitlines()[1] in capsys.readouterr().out
+    out = tmp_path / "schedule.csv"
+    for p2p in ("nccl", "tagged"):
+        assert main(["compile", str(TORCH_DEADLOCK), "--p2p", p2p, "--format", "torch-csv-comms", "-o", str(out)]) == 1
+        assert "deadlock   FAILED  (torch model)" in capsys.readouterr().err and not out.exists()
+    assert main(["compile", str(TORCH_DEADLOCK), "--format", "torch-csv"]) == 0  # torch lowers that one itself
+    assert main(["compile", str(TORCH_DEADLOCK), "--format", "text"]) == 0
+    capsys.readouterr()
+    assert main(["compile", "zbv", "-P", "2", "-M", "4", "-V", "2", "--format", "torch-csv-comms", "-o", str(out)]) == 0
+    assert "REDUCE_GRAD" in out.read_text()
+
+
+def test_torchs_rule_drops_the_batch_waits_and_keeps_the_fifo(capsys: pytest.CaptureFixture[str]) -> None:
+    """Under torch's rule a compute waits for its own receive (and what the rank posted before it), not for the
+    receives batched after it: zb_h1 at F=2,I=2,W=1 loses 4 units to such batch waits under nccl (53 against 49,
+    docs/simulator.md) and none under torch. Under the default costs the compiled streams reach the compute order's
+    makespan under torch too."""
+    from pipec.sim.costs import parse_costs
+
+    program = pipec.compile("zb_h1", 4, 8)
+    costs = parse_costs("F=2,I=2,W=1")
+    ideal = simulate(program, costs, p2p="ideal").makespan
+    assert (simulate(program, costs).makespan, simulate(program, costs, p2p="torch").makespan, ideal) == (53, 49, 49)
+    for name in bundled_names():
+        compiled = pipec.compile(name, 4, 8, 2 if name in ("zbv", "dualpipev", "interleaved_zb") else 1)
+        assert simulate(compiled, p2p="torch").makespan == simulate(compiled, p2p="ideal").makespan, name

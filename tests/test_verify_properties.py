@@ -1,11 +1,12 @@
-"""The verifier's verdicts equal an independent executor's (tests/executor.py) on random schedules, both models.
+"""The verifier's verdicts equal an independent executor's (tests/executor.py) on random schedules, every model.
 
-Random valid compute orders (tests/strategies.py) must be accepted under both models, and insert_p2p_ops must
-lower them to streams that run to the end under the nccl rule. Random broken ones (ops swapped, dropped,
-duplicated, misplaced, sends reordered, receives placed naively) must get the executor's verdict: deadlock-free
-iff the executor completes, stuck at the same op on every rank, p2p order sound iff no send meets the wrong
-receive (in a run that completes; a stalled run may stop before the wrong pair meets); mistakes that break the
-structure must be caught by the structure pass.
+Random valid compute orders (tests/strategies.py) must be accepted under every model (nccl, tagged and torch's
+runtime rule), and insert_p2p_ops must lower them to streams that run to the end under each. Random broken ones
+(ops swapped, dropped, duplicated, misplaced, sends reordered, receives placed naively) must get the executor's
+verdict: deadlock-free iff the executor completes, stuck at the same op on every rank, p2p order sound iff no send
+meets the wrong receive (in a run that completes; a stalled run may stop before the wrong pair meets); mistakes
+that break the structure must be caught by the structure pass. What passes under torch passes under nccl, and
+what passes under nccl passes under tagged.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from strategies import STRUCTURAL, broken_programs, valid_programs
 
 from pipec.passes.p2p import insert_p2p_ops
 from pipec.verify import verify
-from pipec.verify.deadlock import execute, execute2, finishes2
+from pipec.verify.deadlock import IN_ORDER, MODELS, run_compute_orders, run_streams, streams_finish
 
 # fixed example counts, no deadline, derandomized: the suite is stable and takes a few seconds
 VALID = settings(
@@ -28,19 +29,19 @@ BROKEN = settings(
 
 
 def _stops(program, model: str) -> tuple[int, ...]:
-    run = execute(program, model)
+    run = run_streams(program, model) if program.has_comms else run_compute_orders(program, model)
     return tuple(run.units.starts[r][u] for r, u in enumerate(run.stop))
 
 
 @VALID
 @given(valid_programs())
 def test_valid_orders_are_accepted_and_run(program) -> None:
-    for model in ("tagged", "nccl"):
+    for model in MODELS:
         report = verify(program, p2p=model)
         assert report.ok, report.render()
     assert executor.run(program, "tagged").completed
     lowered = insert_p2p_ops(program)
-    for model in ("tagged", "nccl"):
+    for model in MODELS:
         outcome = executor.run(lowered, model)
         assert outcome.completed and not outcome.mismatches, (model, outcome)
 
@@ -50,9 +51,9 @@ def test_valid_orders_are_accepted_and_run(program) -> None:
 def test_verdicts_equal_the_executor(case) -> None:
     program, mutation = case
     verdicts = {}
-    for model in ("tagged", "nccl"):
+    for model in MODELS:
         report = verify(program, p2p=model)
-        checked = report.program  # lowered by insert_p2p_ops when nccl meets a compute-only program
+        checked = report.program  # lowered by insert_p2p_ops when nccl or torch meets a compute-only program
         structure = report.verdict("structure")
         if mutation in STRUCTURAL:
             assert not structure.ok, f"{mutation} went unnoticed:\n{report.render()}"
@@ -60,10 +61,10 @@ def test_verdicts_equal_the_executor(case) -> None:
             continue
         outcome = executor.run(checked, model)
         deadlock = report.verdict("deadlock")
-        verdicts[model] = deadlock.ok and (model == "tagged" or report.verdict("p2p order").ok)
+        verdicts[model] = deadlock.ok and (model not in IN_ORDER or report.verdict("p2p order").ok)
         assert deadlock.ok == outcome.completed, (model, mutation, outcome, report.render())
         assert _stops(checked, model) == outcome.positions, (model, mutation)
-        if model == "nccl":  # a stalled run may stop before the mismatched pair meets
+        if model in IN_ORDER:  # a stalled run may stop before the mismatched pair meets
             order_ok = report.verdict("p2p order").ok
             if outcome.completed:
                 assert order_ok == (not outcome.mismatches), (mutation, outcome.mismatches)
@@ -73,6 +74,8 @@ def test_verdicts_equal_the_executor(case) -> None:
         verdicts["tagged"] = verify(insert_p2p_ops(program), p2p="tagged").verdict("deadlock").ok
     if verdicts.get("nccl"):  # with the channel order right, nccl only adds waits to tagged
         assert verdicts["tagged"], mutation
+    if verdicts.get("torch"):  # one op per batch only delays ops that nccl's batches start together
+        assert verdicts["nccl"], mutation
 
 
 @settings(
@@ -80,9 +83,10 @@ def test_verdicts_equal_the_executor(case) -> None:
 )
 @given(broken_programs())
 def test_the_fast_verdict_equals_the_full_run(case) -> None:
-    """check_deadlock decides with finishes2 (gates and bisects) and explains with execute2: they must agree."""
+    """check_deadlock decides with streams_finish (gates and bisects) and explains with run_streams: they must
+    agree."""
     program, mutation = case
     lowered = program if program.has_comms else insert_p2p_ops(program)
     if verify(lowered, p2p="tagged").verdict("structure").ok:
-        for model in ("tagged", "nccl"):
-            assert finishes2(lowered, model) == (not execute2(lowered, model).blocked), (model, mutation)
+        for model in MODELS:
+            assert streams_finish(lowered, model) == (not run_streams(lowered, model).blocked), (model, mutation)

@@ -132,12 +132,79 @@ def test_svg_renders_with_boxes_and_bubbles_where_the_timeline_says(tmp_path):
 def test_grid_is_the_step_picture():
     result = simulate(pipec.load("1f1b", 2, 3), parse_costs("F=1,B=1"), record=True, p2p="ideal")
     lines = render_grid(result).splitlines()
+    assert lines[0].endswith("one column = 1 time unit")  # singular
     assert lines[1:] == [
         "rank 0  |F0 F1 .  B0 F2 B1 .  B2",
         "rank 1  |.  F0 B0 F1 B1 F2 B2 .",
+        "legend: F0 forward of micro-batch 0, B backward, . idle",
     ]
     chunked = render_grid(simulate(pipec.load("zbv", 2, 4, 2), record=True, p2p="ideal"))
     assert "F0.0" in chunked and "F0.1" in chunked and "I0.1" in chunked
+    assert "F0.1 forward of micro-batch 0 on the rank's chunk 1, I input gradient, W weight gradient" in chunked
+
+
+def _grid_symbols(text: str) -> set[str]:
+    """The symbols of a grid's cells: op labels reduced to their kind letters, `--`, `.`, `~` and `+`."""
+    symbols: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("rank "):
+            for cell in line.split("|", 1)[1].split():
+                if cell[0] in "FBIW":
+                    symbols.update(part[0] for part in cell.split("+"))
+                    if "+" in cell:
+                        symbols.add("+")
+                    if "." in cell:
+                        symbols.add(".1")  # a chunk suffix
+                else:
+                    symbols.add(cell)
+    return symbols
+
+
+@pytest.mark.parametrize(
+    ("name", "chunks", "p2p", "cost"),
+    [
+        ("1f1b", 1, "nccl", "F=1,B=2"),  # --, . and ~ (send/recv batches that take time)
+        ("dualpipev", 2, "ideal", "F=1,B=2,W=1"),  # overlapped pairs and chunks
+        ("zbv", 2, "nccl", "F=1,B=2,W=1,comm=0.5"),
+    ],
+)
+def test_grid_legend_names_every_symbol_it_uses(name, chunks, p2p, cost):
+    text = render_grid(simulate(pipec.compile(name, 4, 8, chunks), parse_costs(cost), record=True, p2p=p2p))
+    legend = next(line for line in text.splitlines() if line.startswith("legend: "))
+    meaning = {
+        "F": "F0", "B": "B backward", "I": "I input gradient", "W": "W weight gradient", "--": "-- the op goes on",
+        ".": ". idle", "~": "~ idle while a send/recv batch", "+": "+ joins the halves of an overlapped pair",
+        ".1": "on the rank's chunk 1",
+    }
+    used = _grid_symbols(text)
+    assert used >= {"F", "--", "."}
+    for symbol, words in meaning.items():
+        assert (words in legend) == (symbol in used), (symbol, legend)
+    assert "note:" not in text  # one column per shortest op: nothing is merged
+
+
+def test_grid_says_when_a_column_merges_ops():
+    """With F 2000 times shorter than B the grid needs a column of makespan / 400: the forwards of a rank start in
+    one column and all but the last are drawn over; the note gives the resolution and the count."""
+    result = simulate(pipec.load("gpipe", 2, 3), parse_costs("F=0.001"), record=True, p2p="ideal")
+    text = render_grid(result, max_columns=400)
+    slot = result.makespan / 400
+    assert text.splitlines()[0].endswith(f"one column = {slot:g} time units")
+    assert text.splitlines()[1].startswith("rank 0  |F2 .")  # 0F0 and 0F1 are hidden behind 0F2
+    note = text.splitlines()[-1]
+    assert note.startswith(f"note: one column = {slot:g} time units (400 columns at most), coarser than the shortest")
+    assert "(0.001 time units)" in note and "5 ops are drawn over by a later op" in note  # 2 on rank 0, 3 on rank 1
+    roomy = render_grid(result, max_columns=10_000)  # a column per shortest op again: every op shows
+    assert "note:" not in roomy and all(f"F{m}" in roomy.splitlines()[1] for m in range(3))
+
+
+def test_grid_notes_ops_that_take_no_time():
+    result = simulate(pipec.compile("zb_h1", 2, 2), parse_costs("F=1,B=2,W=0"), record=True)
+    text = render_grid(result)
+    hidden = 4 - sum(line.count("W") for line in text.splitlines()[1:3])  # 2 ranks x 2 micro-batches of W
+    assert hidden > 0
+    plural = "1 op takes no time and is" if hidden == 1 else f"{hidden} ops take no time and are"
+    assert text.splitlines()[-1] == f"note: {plural} drawn over by the next op; `pipec viz` draws every op"
 
 
 def test_sim_trace_has_true_durations_and_a_flow_per_message():

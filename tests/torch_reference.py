@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
+import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining._utils import generate_rank_to_stage_mapping
 
@@ -24,6 +25,18 @@ MULTI_STAGE = {
     "zbv": ("ScheduleZBVZeroBubble", "v"),
     "dualpipev": ("ScheduleDualPipeV", "v"),
 }
+
+
+HIDDEN = 8  # the width of `stage_module`'s layers
+
+
+def stage_module(stage: int, layers: int = 2) -> torch.nn.Module:
+    """Stage `stage` of a small Linear+Tanh model for real runs, the same on every rank (seeded by its number)."""
+    torch.manual_seed(1000 + stage)
+    modules: list[torch.nn.Module] = []
+    for _ in range(layers):
+        modules += [torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh()]
+    return torch.nn.Sequential(*modules)
 
 
 def _stage(index: int, rank: int, ranks: int, num_stages: int) -> SimpleNamespace:

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
-from pipec.emit.streams import program_from_streams
+from pipec.emit.streams import brief, parse_word, program_from_streams
 from pipec.errors import PipecSyntaxError
-from pipec.ir import Instruction, Program, parse_instruction
+from pipec.ir import Instruction, Program
+from pipec.library import parse_json
 
 FORMAT_NAME = "pipec.streams"
 FORMAT_VERSION = 1
+_REQUIRED = ("format", "version", "ranks", "microbatches", "chunks", "stages", "placement", "streams")
+_OPTIONAL = ("schedule", "params", "memory_bound", "has_comms", "forward_only")
+_MAX_NAME = 200  # characters of the schedule's name and of a parameter's name
+_MAX_INT = 10**18  # a parameter's magnitude, as in .pipe integer literals
+_MAX_AMOUNT = 1e15  # a memory bound, in activation units
 
 
 def dump_json(program: Program) -> str:
@@ -29,70 +37,159 @@ def dump_json(program: Program) -> str:
         "has_comms": program.has_comms,
         "streams": [[str(i) for i in stream] for stream in program.streams],
     }
+    if program.forward_only:  # written only when set, so that training schedules' files stay as they were
+        document["forward_only"] = True
     return json.dumps(document, indent=1) + "\n"
 
 
 def load_json(text: str, where: str = "<json>", expected: Mapping[str, int | None] | None = None) -> Program:
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise PipecSyntaxError(f"{where}:{e.lineno}:{e.colno}: not JSON: {e.msg}") from None
+    doc = parse_json(text, where, "a pipec stream file")
     _require(isinstance(doc, dict), where, "the document must be a JSON object")
-    _require(doc.get("format") == FORMAT_NAME, where, f"'format' must be {FORMAT_NAME!r}, got {doc.get('format')!r}")
     _require(
-        doc.get("version") == FORMAT_VERSION,
-        where,
-        f"unsupported version {doc.get('version')!r}; this pipec reads version {FORMAT_VERSION}",
+        doc.get("format") == FORMAT_NAME, where, f"'format' must be {FORMAT_NAME!r}, got {brief(doc.get('format'))}"
     )
+    _require(
+        _is_int(doc.get("version")) and doc.get("version") == FORMAT_VERSION,
+        where,
+        f"unsupported version {brief(doc.get('version'))}; this pipec reads version {FORMAT_VERSION}",
+    )
+    unknown = [key for key in doc if key not in _REQUIRED and key not in _OPTIONAL]
+    _require(
+        not unknown,
+        where,
+        f"unknown field {brief(unknown[0]) if unknown else ''}; version 1 has {', '.join(_REQUIRED + _OPTIONAL)}",
+    )
+    for key in _REQUIRED:
+        _require(key in doc, where, f"'{key}' is missing")
     for key in ("ranks", "microbatches", "chunks", "stages"):
-        _require(_is_count(doc.get(key)), where, f"'{key}' must be a positive integer, got {doc.get(key)!r}")
-    placement = doc.get("placement")
+        _require(
+            _is_int(doc[key]) and doc[key] >= 1, where, f"'{key}' must be a positive integer, got {brief(doc[key])}"
+        )
+    ranks, stages = doc["ranks"], doc["stages"]
     _require(
-        isinstance(placement, list)
-        and len(placement) == doc["stages"]
-        and all(_is_rank(r, doc["ranks"]) for r in placement),
+        stages == ranks * doc["chunks"],
         where,
-        f"'placement' must list a rank in 0..{doc['ranks'] - 1} for each of the {doc['stages']} stages",
+        f"'stages' must be 'ranks' x 'chunks' = {ranks * doc['chunks']}, got {stages}",
     )
-    streams_doc = doc.get("streams")
+    placement = doc["placement"]
     _require(
-        isinstance(streams_doc, list)
-        and len(streams_doc) == doc["ranks"]
-        and all(isinstance(s, list) for s in streams_doc),
+        isinstance(placement, list) and len(placement) == stages,
         where,
-        f"'streams' must be a list of {doc['ranks']} lists of action strings",
+        f"'placement' must be a list of {stages} ranks (one per stage), got {brief(placement)}",
+    )
+    for stage, rank in enumerate(placement):
+        if not (_is_int(rank) and 0 <= rank < ranks):
+            _require(False, where, f"placement[{stage}] must be a rank in 0..{ranks - 1}, got {brief(rank)}")
+    streams_doc = doc["streams"]
+    _require(
+        isinstance(streams_doc, list) and len(streams_doc) == ranks,
+        where,
+        f"'streams' must be a list of {ranks} lists of action strings, got {brief(streams_doc)}",
     )
     streams: list[list[Instruction]] = []
     for rank, stream in enumerate(streams_doc):
+        _require(
+            isinstance(stream, list), where, f"streams[{rank}] must be a list of action strings, got {brief(stream)}"
+        )
         parsed = []
         for index, text_action in enumerate(stream):
-            _require(isinstance(text_action, str), where, f"streams[{rank}][{index}] must be a string")
             try:
-                parsed.append(parse_instruction(text_action))
+                if not isinstance(text_action, str):
+                    raise PipecSyntaxError(f'must be a string such as "0F1", got {brief(text_action)}')
+                parsed.append(parse_word(text_action))
             except PipecSyntaxError as e:
                 raise PipecSyntaxError(f"{where}: streams[{rank}][{index}]: {e.message}") from None
         streams.append(parsed)
-    program = program_from_streams(
-        streams, where, str(doc.get("schedule", "json")), expected or {}, doc["microbatches"], tuple(placement)
-    )
-    bound = doc.get("memory_bound")
+    name = doc.get("schedule", "json")
     _require(
-        bound is None or (isinstance(bound, list) and len(bound) == doc["ranks"]),
+        isinstance(name, str) and 0 < len(name) <= _MAX_NAME and name.isprintable(),
         where,
-        "'memory_bound' must be null or one number per rank",
+        f"'schedule' must be a name of 1 to {_MAX_NAME} printable characters, got {brief(name)}",
     )
-    params = doc.get("params") if isinstance(doc.get("params"), dict) else program.params
-    from dataclasses import replace
 
-    return replace(program, memory_bound=tuple(bound) if bound else None, params=params)
+    def error_at(rank: int, index: int, message: str) -> PipecSyntaxError:
+        return PipecSyntaxError(f"{where}: streams[{rank}][{index}]: {message}")
+
+    program = program_from_streams(
+        streams, where, name, expected or {}, error_at, doc["microbatches"], tuple(placement)
+    )
+    return replace(
+        program,
+        memory_bound=_memory_bound(doc.get("memory_bound"), ranks, where),
+        params=_params(doc.get("params", program.params), doc, where),
+        has_comms=_has_comms(doc.get("has_comms", program.has_comms), program, where),
+        forward_only=_flag(doc, "forward_only", where),
+    )
 
 
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+def _memory_bound(bound: Any, ranks: int, where: str) -> tuple[float, ...] | None:
+    if bound is None:
+        return None
+    _require(
+        isinstance(bound, list) and len(bound) == ranks,
+        where,
+        f"'memory_bound' must be null or a list of {ranks} numbers (one per rank), got {brief(bound)}",
+    )
+    for rank, value in enumerate(bound):
+        _require(
+            _is_number(value) and 0 <= value <= _MAX_AMOUNT,
+            where,
+            f"memory_bound[{rank}] must be a finite number in 0..{_MAX_AMOUNT:g}, got {brief(value)}",
+        )
+    return tuple(bound)
 
 
-def _is_rank(value: Any, ranks: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < ranks
+def _params(params: Any, doc: dict, where: str) -> dict[str, int]:
+    _require(isinstance(params, dict), where, f"'params' must be an object of integers, got {brief(params)}")
+    for key, value in params.items():
+        _require(
+            0 < len(key) <= _MAX_NAME and key.isprintable(),
+            where,
+            f"a name in 'params' must have 1 to {_MAX_NAME} printable characters, got {brief(key)}",
+        )
+        _require(
+            _is_int(value) and abs(value) <= _MAX_INT,
+            where,
+            f"params[{brief(key)}] must be an integer, got {brief(value)}",
+        )
+    for key, field in (("P", "ranks"), ("M", "microbatches"), ("V", "chunks")):
+        _require(
+            params.get(key, doc[field]) == doc[field],
+            where,
+            f"params[{key!r}] is {params.get(key)} but '{field}' is {doc[field]}",
+        )
+    return dict(params)
+
+
+def _has_comms(value: Any, program: Program, where: str) -> bool:
+    _require(isinstance(value, bool), where, f"'has_comms' must be true or false, got {brief(value)}")
+    if value == program.has_comms:
+        return value
+    if not value:
+        rank, index, action = next(
+            (r, k, i) for r, s in enumerate(program.streams) for k, i in enumerate(s) for a in i.parts if a.kind.is_comm
+        )
+        raise PipecSyntaxError(f"{where}: streams[{rank}][{index}]: {action} is a send/recv, but 'has_comms' is false")
+    placement = program.stage_to_rank
+    if any(placement[s] != placement[s + 1] for s in range(len(placement) - 1)):
+        _require(False, where, "'has_comms' is true, but the streams have no send/recv instructions between ranks")
+    return program.has_comms  # one rank, or all stages together: there is nothing to send
+
+
+def _flag(doc: dict, key: str, where: str) -> bool:
+    value = doc.get(key, False)
+    _require(isinstance(value, bool), where, f"'{key}' must be true or false, got {brief(value)}")
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool) and abs(value) <= 2**63) or (
+        isinstance(value, float) and math.isfinite(value)
+    )
 
 
 def _require(condition: bool, where: str, message: str) -> None:

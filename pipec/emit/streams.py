@@ -1,34 +1,49 @@
-"""Shared by the stream loaders: build a Program from per-rank instruction lists read from a file."""
+"""Shared by the stream loaders: check per-rank instruction lists read from a file and build a Program.
+
+A stream file is untrusted input. Every number in it is checked against what the file itself contains before
+anything is sized from it: stages must be numbered 0..S-1 where S is the number of stages the file's compute
+actions name (or its declared `stages`), micro-batches 0..M-1 with M x S at most the number of compute actions
+(a complete step runs every micro-batch on every stage), and ranks 0..P-1 with P the number of rank lines, CSV
+rows or declared ranks. So loading, and verifying or simulating what loaded, stays linear in the file's size.
+Each loader says where an instruction came from (`ErrorAt`), so every refusal names its line and column, or its
+JSON path.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from pipec.errors import PipecInputError
-from pipec.ir import Instruction, Program
+from pipec.errors import PipecError, PipecInputError, PipecSyntaxError
+from pipec.ir import Instruction, Program, parse_instruction
+
+# The longest instruction pipec writes, an overlapped pair of two 18-digit actions, is under 100 characters.
+# Longer words are refused before int() sees them (int() of a 4,300-digit number raises, and a huge word would
+# be repeated in the error message).
+MAX_WORD = 100
+
+# (rank, index of the instruction in that rank's stream, message) -> the error, located in the file
+ErrorAt = Callable[[int, int, str], PipecError]
 
 
-def infer_placement(streams: Sequence[Sequence[Instruction]], where: str) -> tuple[int, ...]:
-    """Stage -> rank from the streams themselves; each stage must appear on exactly one rank."""
-    placement: dict[int, int] = {}
-    for rank, stream in enumerate(streams):
-        for instruction in stream:
-            for action in instruction.parts:
-                if not action.kind.is_compute:
-                    continue
-                other = placement.setdefault(action.stage, rank)
-                if other != rank:
-                    raise PipecInputError(
-                        f"{where}: stage {action.stage} appears on rank {other} and on rank {rank} ({action}); "
-                        "each stage must live on one rank"
-                    )
-    if not placement:
-        raise PipecInputError(f"{where}: the schedule has no compute actions")
-    stages = max(placement) + 1
-    missing = [s for s in range(stages) if s not in placement]
-    if missing:
-        raise PipecInputError(f"{where}: stage(s) {missing} never appear, so their rank is unknown")
-    return tuple(placement[s] for s in range(stages))
+def parse_word(word: str) -> Instruction:
+    """``parse_instruction`` for file input: short ASCII words only (``\\d`` would also take other scripts' digits)."""
+    if len(word) > MAX_WORD:
+        raise PipecSyntaxError(f"{word[:24]!r}... is not an action: longer than {MAX_WORD} characters")
+    if not word.isascii():
+        raise PipecSyntaxError(f"{word!r} is not an action: it has non-ASCII characters")
+    return parse_instruction(word)
+
+
+def brief(value: object) -> str:
+    """A short description of a value for an error message: never the whole of a huge string or list."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 40 else repr(value[:40]) + "..."
+    if isinstance(value, list):
+        return f"a list of {len(value)}"
+    if isinstance(value, dict):
+        return "an object"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:40] + "..."
 
 
 def program_from_streams(
@@ -36,19 +51,89 @@ def program_from_streams(
     where: str,
     name: str,
     expected: Mapping[str, int | None],
+    error_at: ErrorAt,
     microbatches: int | None = None,
     placement: tuple[int, ...] | None = None,
 ) -> Program:
-    """Infer P, M, V from the actions and check them against the caller's flags (`expected`)."""
+    """Check the streams against the file's own extent and the caller's flags (`expected`); infer what the file
+    does not declare (`microbatches`, `placement`: None for text and CSV)."""
     ranks = len(streams)
+    if ranks == 0:
+        raise PipecSyntaxError(f"{where}: the file lists no ranks")
+    owner: dict[int, int] = {}  # stage -> rank, inferred from the compute actions
+    compute = 0
+    top_stage, top_mb = (-1, 0, 0), (-1, 0, 0)  # (number, rank, index) of the highest stage / micro-batch named
+    for rank, stream in enumerate(streams):
+        for index, instruction in enumerate(stream):
+            for action in instruction.parts:
+                stage, kind, mb = action
+                if stage > top_stage[0]:
+                    top_stage = (stage, rank, index)
+                if mb > top_mb[0]:
+                    top_mb = (mb, rank, index)
+                if not kind.is_compute:
+                    continue
+                compute += 1
+                if placement is None:
+                    other = owner.setdefault(stage, rank)
+                    if other != rank:
+                        raise error_at(
+                            rank,
+                            index,
+                            f"stage {stage} appears on rank {other} and on rank {rank} ({action}); "
+                            "each stage must live on one rank",
+                        )
+    if compute == 0:
+        raise PipecSyntaxError(f"{where}: the schedule has no compute actions")
+    stages = len(placement) if placement is not None else len(owner)
+    if top_stage[0] >= stages:
+        stage, rank, index = top_stage
+        why = (
+            f"'stages' is {stages}"
+            if placement is not None
+            else f"the file's compute actions name {stages} different stage(s), so stages are numbered from 0"
+        )
+        raise error_at(rank, index, f"stage {stage} is outside 0..{stages - 1} ({why})")
     if placement is None:
-        placement = infer_placement(streams, where)
+        placement = tuple(owner[s] for s in range(stages))  # every stage is there: stages are 0..S-1, distinct
+    declared = microbatches is not None
     if microbatches is None:
-        mbs = [a.mb for stream in streams for i in stream for a in i.parts]
-        microbatches = max(mbs) + 1
-    stages = len(placement)
+        microbatches = top_mb[0] + 1
+    elif top_mb[0] >= microbatches:
+        mb, rank, index = top_mb
+        raise error_at(
+            rank, index, f"micro-batch {mb} is outside 0..{microbatches - 1} ('microbatches' is {microbatches})"
+        )
+    if microbatches * stages > compute:
+        # A complete step runs every micro-batch on every stage: M x S forwards at least. Past that the file is
+        # incomplete anyway, and refusing it keeps everything sized from M x S (the verifier's and the
+        # simulator's tables) linear in the file.
+        why = "a complete step runs every micro-batch on every stage"
+        if declared:
+            raise PipecSyntaxError(
+                f"{where}: invalid pipec stream file: 'microbatches' x 'stages' = {microbatches * stages} is more "
+                f"than the {compute} compute actions in 'streams' ({why})"
+            )
+        mb, rank, index = top_mb
+        raise error_at(
+            rank,
+            index,
+            f"micro-batch {mb} is too large: with {stages} stage(s) and {compute} compute actions in the file, "
+            f"micro-batches must be below {compute // stages} ({why})",
+        )
     if stages % ranks:
         raise PipecInputError(f"{where}: {stages} stages do not divide evenly over {ranks} ranks")
+    # V = S / P stages on every rank: the chunk numbers (F[c], the pictures' shades, the runtime's stage objects)
+    # assume it, and a rank holding nothing would be a rank that silently idles
+    held = [0] * ranks
+    for rank in placement:
+        held[rank] += 1
+    for rank, count in enumerate(held):
+        if count != stages // ranks:
+            raise PipecSyntaxError(
+                f"{where}: rank {rank} holds {count} stage(s), but {stages} stages over {ranks} ranks make "
+                f"{stages // ranks} per rank; every rank must hold the same number"
+            )
     inferred = {"P": ranks, "M": microbatches, "V": stages // ranks}
     flags = {"P": "--ranks", "M": "--microbatches", "V": "--chunks"}
     for key, value in expected.items():

@@ -5,11 +5,16 @@ A line without send/recv instructions is also valid `.pipe` literal syntax for a
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
-from pipec.emit.streams import program_from_streams
+from pipec.emit.streams import parse_word, program_from_streams
 from pipec.errors import PipecSyntaxError, Span
-from pipec.ir import Instruction, Program, parse_instruction
+from pipec.ir import Instruction, Program
+
+# `rank N` before the colon: ASCII digits only (str.isdigit() also takes '²', which int() refuses), and few
+# enough that int() converts them; the number is then checked against the number of rank lines
+_HEAD = re.compile(r"\s*rank\s+([0-9]{1,100})\s*")
 
 
 def dump_text(program: Program) -> str:
@@ -17,29 +22,57 @@ def dump_text(program: Program) -> str:
 
 
 def load_text(text: str, where: str = "<text>", expected: Mapping[str, int | None] | None = None) -> Program:
+    lines = text.splitlines()
+    rank_lines: dict[int, int] = {}  # rank -> its line number (1-based)
     streams: dict[int, list[Instruction]] = {}
-    for number, line in enumerate(text.splitlines(), 1):
+
+    def span(number: int, column: int = 1, width: int = 0) -> Span:
+        line = lines[number - 1]
+        return Span(where, number, column, number, column + (width or len(line) - column + 1), text)
+
+    for number, line in enumerate(lines, 1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         head, sep, body = line.partition(":")
-        words = head.split()
-        if not sep or len(words) != 2 or words[0] != "rank" or not words[1].isdigit():
+        match = _HEAD.fullmatch(head)
+        if not sep or match is None:
+            raise PipecSyntaxError("expected 'rank N: ACTION ACTION ...'", span(number))
+        rank = int(match[1])
+        if rank in rank_lines:
             raise PipecSyntaxError(
-                "expected 'rank N: ACTION ACTION ...'", Span(where, number, 1, number, len(line) + 1, text)
+                f"rank {rank} already has a line (line {rank_lines[rank]}); give each rank one line", span(number)
             )
-        rank = int(words[1])
+        rank_lines[rank] = number
+        stream = streams[rank] = []
         column = len(head) + 2
         for word in body.split():
             column = line.index(word, column - 1) + 1
             try:
-                streams.setdefault(rank, []).append(parse_instruction(word))
+                stream.append(parse_word(word))
             except PipecSyntaxError as e:
-                raise PipecSyntaxError(
-                    e.message, Span(where, number, column, number, column + len(word), text)
-                ) from None
+                raise PipecSyntaxError(e.message, span(number, column, len(word))) from None
             column += len(word)
-        streams.setdefault(rank, [])
-    if not streams:
+    if not rank_lines:
         raise PipecSyntaxError(f"{where}: no 'rank N:' lines")
-    ranks = max(streams) + 1
-    return program_from_streams([streams.get(r, []) for r in range(ranks)], where, "text", expected or {})
+    # P is the number of rank lines: a rank number past them would make empty ranks out of nothing (and a list
+    # sized by a number the file merely mentions)
+    ranks = len(rank_lines)
+    for rank, number in rank_lines.items():
+        if rank >= ranks:
+            raise PipecSyntaxError(
+                f"rank {rank} is out of range: the file has {ranks} 'rank' line(s), so ranks are 0..{ranks - 1}",
+                span(number),
+            )
+
+    def error_at(rank: int, index: int, message: str) -> PipecSyntaxError:
+        number = rank_lines[rank]
+        line = lines[number - 1]
+        column = len(line.partition(":")[0]) + 2
+        for position, word in enumerate(line.partition(":")[2].split()):
+            column = line.index(word, column - 1) + 1
+            if position == index:
+                return PipecSyntaxError(message, span(number, column, len(word)))
+            column += len(word)
+        return PipecSyntaxError(message, span(number))
+
+    return program_from_streams([streams[r] for r in range(ranks)], where, "text", expected or {}, error_at)

@@ -6,18 +6,34 @@ The per-rank program is compiled once into Python closures and then run once per
   from its counter; `@ m` names the micro-batch and leaves the counter alone;
 - a queue of deferred weight gradients: every I enqueues its W; `W` emits the oldest pending one,
   `W[c]` the oldest of chunk c, `W?` only if one is pending, `drain W[c]` all of them.
-A step budget turns a runaway `while` into an error instead of a hang.
+Budgets turn a runaway program into an error instead of a hang (pipec.frontend.limits): per rank, loop
+iterations and ops emitted (a `while` that never ends); for the whole expansion, steps (loop iterations, ops and
+program nodes compiled, all ranks together), ops and wall time; and a bound on the integers a program computes
+(a value squared in a loop would otherwise grow without end).
+An overlapped pair is one forward and one backward of two different micro-batches (check_pair_kinds, and the
+micro-batches where the pair is emitted). `op_spans` tells where each op of an expanded program was written, by
+expanding it again with span recording on: only a deadlock's explanation asks, so expansion itself records nothing.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from fractions import Fraction
 
-from pipec.errors import PipecInputError, PipecSyntaxError, ScheduleProgramError, Span
+from pipec.errors import PipecError, PipecInputError, PipecSyntaxError, ScheduleProgramError, Span
 from pipec.frontend import ast
+from pipec.frontend.limits import (
+    MAX_OPS,
+    MAX_SECONDS,
+    MAX_STEPS,
+    MAX_VALUE,
+    RANK_STEPS_EXTRA,
+    RANK_STEPS_PER_OP,
+    check_sizes,
+)
 from pipec.ir import Action, Instruction, Kind, Overlap, Program, loop_placement, parse_instruction, v_placement
 
 BUILTIN_PARAMS = ("P", "M", "V")
@@ -35,18 +51,68 @@ class _Pending:
     alive: bool = True
 
 
+_CHECK_EVERY = 1024  # steps between looks at the clock and the expansion-wide budgets
+
+
+@dataclass(eq=False)
+class _Budget:
+    """What the rest of one expansion may spend, all ranks together (the limits are in pipec.frontend.limits)."""
+
+    rank_steps: int  # per rank: loop iterations + ops emitted before "a loop that never ends?"
+    steps_left: int = MAX_STEPS  # loop iterations + ops emitted + program nodes compiled
+    ops_left: int = MAX_OPS
+    deadline: float = field(default_factory=lambda: time.monotonic() + MAX_SECONDS)
+
+    def finish_rank(self, st: _RankState, span: Span) -> None:
+        """Charge what a rank spent. Ops emitted by straight-line code (no loop, so no tick) are counted here."""
+        self.steps_left -= st.steps + len(st.out)
+        self.ops_left -= len(st.out)
+        if self.ops_left < 0:
+            raise ScheduleProgramError(_over_ops(), span)
+        if self.steps_left < 0:
+            raise ScheduleProgramError(_over_steps(), span)
+
+    def charge_compile(self, nodes: int, span: Span) -> None:
+        """Compiling a rank's program walks its AST: P ranks of a big program are real work too."""
+        self.steps_left -= nodes
+        if self.steps_left < 0:
+            raise ScheduleProgramError(_over_steps(), span)
+        if time.monotonic() > self.deadline:
+            raise ScheduleProgramError(_over_time(), span)
+
+
+def _over_steps() -> str:
+    return (
+        f"expansion stopped after {MAX_STEPS:,} steps (loop iterations, ops emitted and program nodes compiled, "
+        "all ranks together), pipec's limit"
+    )
+
+
+def _over_ops() -> str:
+    return f"the program emits more than {MAX_OPS:,} ops (all ranks together), pipec's limit"
+
+
+def _over_time() -> str:
+    return f"expansion stopped after {MAX_SECONDS:g} s, pipec's limit on the time to run the per-rank programs"
+
+
 @dataclass(eq=False)
 class _RankState:
     vars: dict[str, int]
     rank: int
     stages: tuple[int, ...]  # chunk -> stage on this rank
-    budget: int
+    budget: _Budget | None = None  # None: header expressions, which run no loops
     out: list[Instruction] = field(default_factory=list)
     forward_count: list[int] = field(default_factory=list)
     backward_count: list[int] = field(default_factory=list)
     weight_count: list[int] = field(default_factory=list)
     queue: deque[_Pending] = field(default_factory=deque)
     chunk_queues: list[deque[_Pending]] = field(default_factory=list)
+    pending_total: int = 0  # alive entries of `queue`, so that pending(W) is O(1) and not a scan of the queue
+    pending_by_chunk: list[int] = field(default_factory=list)
+    steps: int = 0  # loop iterations and drained W's so far; with len(out), what the budgets count
+    next_check: int = 0  # steps + len(out) above which checkpoint() looks at the budgets
+    spans: list[Span] = field(default_factory=list)  # parallel to `out`, filled only by a recording compile
 
     def __post_init__(self) -> None:
         n = len(self.stages)
@@ -54,6 +120,9 @@ class _RankState:
         self.backward_count = [0] * n
         self.weight_count = [0] * n
         self.chunk_queues = [deque() for _ in range(n)]
+        self.pending_by_chunk = [0] * n
+        if self.budget is not None:
+            self.next_check = min(_CHECK_EVERY, self.budget.rank_steps, self.budget.steps_left, self.budget.ops_left)
 
     def chunk_index(self, chunk: int, span: Span) -> int:
         if not 0 <= chunk < len(self.stages):
@@ -65,14 +134,33 @@ class _RankState:
         return chunk
 
     def tick(self, span: Span) -> None:
-        self.budget -= 1
-        if self.budget < 0:
+        """One loop iteration. Ops emitted count too: len(out) is read here, so a loop body that emits many ops
+        per iteration cannot get past the budgets by more than one iteration's worth."""
+        self.steps += 1
+        if self.steps + len(self.out) > self.next_check:
+            self.checkpoint(span)
+
+    def checkpoint(self, span: Span) -> None:
+        budget = self.budget
+        assert budget is not None  # header expressions have no loops
+        ops = len(self.out)
+        used = self.steps + ops
+        if used > budget.rank_steps:
             raise ScheduleProgramError("the program ran too long (a loop that never ends?)", span)
+        if used > budget.steps_left:
+            raise ScheduleProgramError(_over_steps(), span)
+        if ops > budget.ops_left:
+            raise ScheduleProgramError(_over_ops(), span)
+        if time.monotonic() > budget.deadline:
+            raise ScheduleProgramError(_over_time(), span)
+        self.next_check = min(used + _CHECK_EVERY, budget.rank_steps, budget.steps_left, self.steps + budget.ops_left)
 
     def enqueue_weight(self, chunk: int, action: Action) -> None:
         entry = _Pending(chunk, Action(action.stage, Kind.W, action.mb))
         self.queue.append(entry)
         self.chunk_queues[chunk].append(entry)
+        self.pending_total += 1
+        self.pending_by_chunk[chunk] += 1
 
     def pop_weight(self, chunk: int | None) -> Action | None:
         source = self.queue if chunk is None else self.chunk_queues[chunk]
@@ -83,11 +171,37 @@ class _RankState:
         entry = source.popleft()
         entry.alive = False
         self.weight_count[entry.chunk] += 1
+        self.pending_total -= 1
+        self.pending_by_chunk[entry.chunk] -= 1
         return entry.action
 
     def pending_weights(self, chunk: int | None) -> int:
-        source = self.queue if chunk is None else self.chunk_queues[chunk]
-        return sum(1 for entry in source if entry.alive)
+        return self.pending_total if chunk is None else self.pending_by_chunk[chunk]
+
+
+_VALUE_TEXT = f"10**{len(str(MAX_VALUE)) - 1}" if str(MAX_VALUE).strip("0") == "1" else f"{MAX_VALUE:,}"
+
+
+def _too_big(value: int | Fraction, span: Span) -> ScheduleProgramError:
+    if isinstance(value, Fraction) and abs(value) <= MAX_VALUE:
+        what = f"a fraction whose denominator has {len(str(value.denominator))} digits"
+    else:
+        digits = len(str(abs(int(value))))
+        what = f"{int(value)}" if digits <= 40 else f"a value of {digits} digits"
+    return ScheduleProgramError(
+        f"{what} is beyond pipec's limit of {_VALUE_TEXT} on the integers a program computes (an overflow?)", span
+    )
+
+
+def _bounded_exact(value: int | Fraction, span: Span) -> int | Fraction:
+    """A value of a `memory` or `expect` line: fractions keep their numerator and denominator within the limit,
+    so that a long chain of divisions cannot build a huge denominator."""
+    if type(value) is int:
+        if -MAX_VALUE <= value <= MAX_VALUE:
+            return value
+    elif abs(value.numerator) <= MAX_VALUE and value.denominator <= MAX_VALUE:  # type: ignore[union-attr]
+        return value
+    raise _too_big(value, span)
 
 
 # ---- expressions -------------------------------------------------------------------------------
@@ -112,8 +226,12 @@ class _Compiler:
         exact_division: bool = False,
         constants: Mapping[str, int] | None = None,
         chunks: int | None = None,
+        record: bool = False,
     ) -> None:
         self.known = set(known)
+        # record: every emitted op also appends the span of the text that emitted it to the rank's `spans`. Only
+        # a deadlock's explanation asks for it (op_spans), so the ordinary closures stay as lean as before.
+        self.record = record
         self.exact_division = exact_division  # `/` is legal in `memory` and `expect` lines only
         # names whose value is fixed for the whole run (parameters, the rank, single top-level assignments):
         # expressions over them are folded at compile time instead of walked for every op
@@ -149,7 +267,7 @@ class _Compiler:
             return None
         if self._plain is None:
             self._plain = _Compiler(self.known, self.exact_division)
-            self._state = _RankState(vars=self.constants, rank=-1, stages=(), budget=1)
+            self._state = _RankState(vars=self.constants, rank=-1, stages=())
         try:
             value = self._plain.expr(e)(self._state)
         except ScheduleProgramError:
@@ -219,6 +337,13 @@ class _Compiler:
         raise AssertionError(f"unhandled expression {e!r}")  # pragma: no cover
 
     def _binop(self, e: ast.BinOp) -> ExprFn:
+        fn = self._binop_unchecked(e)
+        if not self.exact_division:
+            return fn
+        span = e.span  # `memory` and `expect` lines run a few times only: every result is checked
+        return lambda st: _bounded_exact(fn(st), span)
+
+    def _binop_unchecked(self, e: ast.BinOp) -> ExprFn:
         a, b, op, span = self.expr(e.left), self.expr(e.right), e.op, e.span
         c = self.fold(e.right) if self.constants else None
         if c is not None:  # a constant right operand: no second call, no zero check
@@ -227,7 +352,14 @@ class _Compiler:
             if op == "-":
                 return lambda st: a(st) - c
             if op == "*":
-                return lambda st: a(st) * c
+
+                def times_constant(st: _RankState) -> int:
+                    value = a(st) * c
+                    if -MAX_VALUE <= value <= MAX_VALUE:  # only * can grow a value fast (squaring in a loop)
+                        return value
+                    raise _too_big(value, span)
+
+                return times_constant
             if op == "//" and c != 0:
                 return lambda st: a(st) // c
             if op == "%" and c != 0:
@@ -237,7 +369,14 @@ class _Compiler:
         if op == "-":
             return lambda st: a(st) - b(st)
         if op == "*":
-            return lambda st: a(st) * b(st)
+
+            def times(st: _RankState) -> int:
+                value = a(st) * b(st)
+                if -MAX_VALUE <= value <= MAX_VALUE:
+                    return value
+                raise _too_big(value, span)
+
+            return times
         if op == "/":
             if not self.exact_division:
                 raise PipecSyntaxError(
@@ -332,10 +471,15 @@ class _Compiler:
 
             return emitters[0] if len(emitters) == 1 else emit_all
         if isinstance(s, ast.Assign):
-            name, value = s.name, self.expr(s.value)
+            name, value, span = s.name, self.expr(s.value), s.span
 
             def assign(st: _RankState) -> None:
-                st.vars[name] = value(st)
+                result = value(st)
+                # bounded here and in `*`: a sum at most doubles a value, so only a value that is stored and
+                # added again in a loop (`x = x + x`) could grow without end
+                if not -MAX_VALUE <= result <= MAX_VALUE:
+                    raise _too_big(result, span)
+                st.vars[name] = result
 
             return assign
         if isinstance(s, ast.Pass):
@@ -350,6 +494,14 @@ class _Compiler:
                     st.tick(span)
                     st.out.append(w)
 
+            if self.record:
+
+                def drain_recorded(st: _RankState) -> None:
+                    before = len(st.out)
+                    drain(st)
+                    st.spans.extend([span] * (len(st.out) - before))
+
+                return drain_recorded
             return drain
         if isinstance(s, ast.Repeat):
             count, body, span = self.expr(s.count), self.block(s.body), s.span
@@ -458,17 +610,51 @@ class _Compiler:
             if action is not None:
                 st.out.append(action)
 
+        if self.record:
+            span = o.span
+
+            def emit_recorded(st: _RankState) -> None:
+                action = make(st)
+                if action is not None:
+                    st.out.append(action)
+                    st.spans.append(span)
+
+            return emit_recorded
         return emit
 
     def pair(self, p: ast.Pair) -> Callable[[_RankState], None]:
-        first, second = self.action(p.first), self.action(p.second)
+        # the parser let through only one forward with one backward (B, I or W): see check_pair_kinds
+        first, second, span, record = self.action(p.first), self.action(p.second), p.span, self.record
 
         def emit_pair(st: _RankState) -> None:
             a, b = first(st), second(st)
             assert a is not None and b is not None  # `W?` is refused in pairs by the parser
+            if a.mb == b.mb:  # a backward depends on every forward of its micro-batch: the halves cannot overlap
+                raise ScheduleProgramError(_same_microbatch_pair(a, b), span)
             st.out.append(Overlap(a, b))
+            if record:
+                st.spans.append(span)
 
         return emit_pair
+
+
+def _same_microbatch_pair(a: Action, b: Action) -> str:
+    return (
+        f"the overlapped pair {a}&{b} runs two ops of micro-batch {a.mb}; the backward of a micro-batch needs its "
+        "forwards, so a pair must take two different micro-batches"
+    )
+
+
+PAIR_RULE = "an overlapped pair runs one forward (F) with one backward (B, I or W) of another micro-batch"
+
+
+def check_pair_kinds(first: str, second: str) -> str | None:
+    """Why two op kinds cannot form an overlapped pair, or None when they can. Shared by the parser (`F & B`)
+    and literal lists (`0F1&1B0`): torch's OVERLAP_F_B, the runtime and the simulator run a pair as a forward
+    overlapped with a backward; two forwards or two backwards have nothing to hide behind each other."""
+    if (first == "F") != (second == "F"):
+        return None
+    return f"{PAIR_RULE}; {first} & {second} is {'two forwards' if first == 'F' else 'two backward ops'}"
 
 
 def _refuse_assignments(body: Iterable[ast.Stmt], fixed: set[str]) -> None:
@@ -512,8 +698,16 @@ def _evaluate(e: ast.Expr, env: Mapping[str, int], exact_division: bool = False)
     """Evaluate a header expression (no counters: count()/pending() belong to per-rank programs)."""
     if isinstance(e, (ast.Count, ast.Pending)):
         raise PipecSyntaxError("count() and pending() only make sense inside a per-rank program", e.span)
-    st = _RankState(vars=dict(env), rank=-1, stages=(), budget=1)
+    st = _RankState(vars=dict(env), rank=-1, stages=())
     return _Compiler(env, exact_division).expr(e)(st)
+
+
+def evaluate(e: ast.Expr, env: Mapping[str, int]) -> int:
+    """The value of a declaration's expression (a default, a range bound, a `let`, a `require` test, `stages`, a
+    placement entry) for these parameters, as `expand` computes it. Raises ScheduleProgramError when it has none
+    (a division by zero) and PipecSyntaxError for count()/pending(). Public for tools that reason about a
+    schedule's parameters without expanding it (pipec.testing's parameter spaces)."""
+    return _evaluate(e, env)
 
 
 def param_range(param: ast.Param, env: Mapping[str, int]) -> range | None:
@@ -619,6 +813,15 @@ def _number(value: int | Fraction) -> int | float:
     return value if isinstance(value, int) else float(value)
 
 
+# The schedules expanded lately, by (source, name): a deadlock's explanation names the `.pipe` line that emitted
+# each op it speaks of, and finds them by expanding the schedule again with span recording on (op_spans). Keeping
+# the AST here (parse() caches it anyway) costs nothing on the way to a valid program.
+_EXPANDED: OrderedDict[tuple[str, str], ast.Schedule] = OrderedDict()
+_EXPANDED_KEPT = 16
+
+Spans = tuple[tuple[Span, ...], ...]  # per rank, the span of the text that emitted each instruction of its order
+
+
 def expand(
     schedule: ast.Schedule,
     ranks: int | None,
@@ -628,7 +831,53 @@ def expand(
     source: str = "",
 ) -> Program:
     """Bind parameters, check the schedule's requirements and produce each rank's compute order."""
+    program, _ = _expand(schedule, ranks, microbatches, chunks, overrides, source, record=False)
+    key = (source, schedule.name)
+    _EXPANDED[key] = schedule
+    _EXPANDED.move_to_end(key)
+    while len(_EXPANDED) > _EXPANDED_KEPT:
+        _EXPANDED.popitem(last=False)
+    return program
+
+
+def op_spans(program: Program) -> Spans | None:
+    """Where each compute instruction of `program` was written: per rank, one span per instruction of its compute
+    order (send/recv left out), or None when the program did not come from a `.pipe` expanded lately.
+
+    Expands the schedule again with span recording on (only explanations ask, so the ordinary expansion records
+    nothing) and answers only when that reproduces the program's compute orders exactly."""
+    schedule = _EXPANDED.get((program.source, program.name))
+    if schedule is None:
+        return None
+    named = {name: value for name, value in program.params.items() if name not in BUILTIN_PARAMS}
+    try:
+        again, spans = _expand(
+            schedule, program.ranks, program.microbatches, program.chunks, named, program.source, record=True
+        )
+    except PipecError:  # the parameters no longer fit that schedule: it is not where the program came from
+        return None
+    if spans is None or again.streams != program.compute_streams():
+        return None
+    return spans
+
+
+def _expand(
+    schedule: ast.Schedule,
+    ranks: int | None,
+    microbatches: int | None,
+    chunks: int | None,
+    overrides: Mapping[str, int] | None,
+    source: str,
+    record: bool,
+) -> tuple[Program, Spans | None]:
+    budget = _Budget(rank_steps=0)  # the clock starts now; rank_steps is set once P, M and V are known
     env = bind_params(schedule, ranks, microbatches, chunks, overrides)
+    # before anything is allocated for them (the placement, the per-rank lists): a mutated default such as
+    # `V = 2000000` or a flag such as `-M 1000000000000` fails here, in milliseconds, naming the limit
+    given = {"P": ranks, "M": microbatches, "V": chunks}
+    defaults = frozenset(name for name, value in given.items() if value is None)
+    check_sizes(env["P"], env["M"], env["V"], schedule.name, defaults)
+    budget.rank_steps = RANK_STEPS_PER_OP * (3 * env["M"] * env["V"] + env["P"]) + RANK_STEPS_EXTRA
     params = dict(env)
     try:
         for item in schedule.header:
@@ -653,10 +902,13 @@ def expand(
     except ScheduleProgramError as e:  # a header expression divided by zero
         raise PipecInputError(e.message, e.span) from None
 
-    literal = _literal_streams(schedule, env["P"]) if schedule.body is None else None
-    if literal is not None and schedule.placement is None:
-        placement = _placement_of(literal, placement)
-    rank_stages = [tuple(s for s, r in enumerate(placement) if r == rank) for rank in range(env["P"])]
+    literal, literal_spans = _literal_streams(schedule, env["P"]) if schedule.body is None else (None, None)
+    if literal is not None and literal_spans is not None:
+        placement = _literal_placement(schedule, literal, literal_spans, placement, env["V"])
+    by_rank: list[list[int]] = [[] for _ in range(env["P"])]  # one pass over the stages, not one per rank
+    for stage, rank in enumerate(placement):
+        by_rank[rank].append(stage)
+    rank_stages = [tuple(stages) for stages in by_rank]
     uneven = [rank for rank, held in enumerate(rank_stages) if len(held) != env["V"]]
     if uneven:
         rank = uneven[0]
@@ -666,10 +918,18 @@ def expand(
             f"each rank must hold V = {env['V']}",
             where,
         )
-    streams = literal if literal is not None else _run_programs(schedule, env, rank_stages)
+    if literal is not None:
+        streams, spans = literal, literal_spans
+    else:
+        streams, spans = _run_programs(schedule, env, rank_stages, budget, record)
     if schedule.drop_padded:
+        if record:
+            spans = [
+                _drop_padded_spans(stream, rank_spans, env["M"])
+                for stream, rank_spans in zip(streams, spans, strict=True)
+            ]
         streams = [_drop_padded(stream, env["M"]) for stream in streams]
-    return Program(
+    program = Program(
         name=schedule.name,
         ranks=env["P"],
         microbatches=env["M"],
@@ -683,11 +943,17 @@ def expand(
         forward_only=schedule.forward_only,
         expected={what: Fraction(value) for what, value in expected.items()},
     )
+    return program, (tuple(tuple(rank_spans) for rank_spans in spans) if record else None)
 
 
 def _run_programs(
-    schedule: ast.Schedule, env: dict[str, int], rank_stages: list[tuple[int, ...]]
-) -> list[list[Instruction]]:
+    schedule: ast.Schedule,
+    env: dict[str, int],
+    rank_stages: list[tuple[int, ...]],
+    budget: _Budget,
+    record: bool = False,
+) -> tuple[list[list[Instruction]], list[list[Span]]]:
+    """Each rank's compute order and, when `record`, the span that emitted each of its instructions."""
     assert schedule.body is not None and schedule.rank_var is not None
     if schedule.rank_var in env:
         raise PipecInputError(
@@ -698,46 +964,134 @@ def _run_programs(
     assigned = _assignment_counts(schedule.body)
     known = set(env) | {schedule.rank_var} | set(assigned)
     once = {name for name, count in assigned.items() if count == 1 and name not in env and name != schedule.rank_var}
-    budget = 64 * (3 * env["M"] * env["V"] + env["P"]) + 100_000
-    streams = []
+    nodes = _count_nodes(schedule.body)
+    streams: list[list[Instruction]] = []
+    spans: list[list[Span]] = []
     for rank, stages in enumerate(rank_stages):
-        # compiled per rank (microseconds) so that the rank and the names derived from it fold to constants
-        constants = {name: value for name, value in {**env, schedule.rank_var: rank}.items() if name not in assigned}
-        program = _Compiler(known, constants=constants, chunks=len(stages)).top_block(schedule.body, once)
-        st = _RankState(vars={**env, schedule.rank_var: rank}, rank=rank, stages=stages, budget=budget)
         try:
+            budget.charge_compile(nodes, schedule.span)
+            # compiled per rank (microseconds) so that the rank and the names derived from it fold to constants
+            constants = {
+                name: value for name, value in {**env, schedule.rank_var: rank}.items() if name not in assigned
+            }
+            compiler = _Compiler(known, constants=constants, chunks=len(stages), record=record)
+            program = compiler.top_block(schedule.body, once)
+            st = _RankState(vars={**env, schedule.rank_var: rank}, rank=rank, stages=stages, budget=budget)
             program(st)
+            budget.finish_rank(st, schedule.span)
         except ScheduleProgramError as e:
             raise ScheduleProgramError(e.message, e.span, rank) from None
         streams.append(st.out)
-    return streams
+        spans.append(st.spans)
+    return streams, spans
 
 
-def _placement_of(streams: list[list[Instruction]], default: tuple[int, ...]) -> tuple[int, ...]:
-    """A literal schedule without a `placement` line: each stage lives where its actions are (the first rank
-    that names it; a stage named on two ranks is left to the structure check to report)."""
-    placement = list(default)
-    seen: set[int] = set()
+def _count_nodes(body: Iterable[ast.Stmt]) -> int:
+    """The number of AST nodes in a per-rank program (an explicit stack rather than recursion)."""
+    count = 0
+    stack: list[object] = [tuple(body)]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, tuple):
+            stack.extend(node)
+        elif is_dataclass(node) and not isinstance(node, Span):
+            count += 1
+            stack.extend(getattr(node, f.name) for f in fields(node))
+    return count
+
+
+def _literal_placement(
+    schedule: ast.Schedule,
+    streams: list[list[Instruction]],
+    spans: list[list[Span]],
+    given: tuple[int, ...],
+    chunks: int,
+) -> tuple[int, ...]:
+    """The placement of a literal schedule, every listed op checked against it with a caret under the op.
+
+    Without a `placement` line each stage lives on the rank that lists most of its ops (the first such rank on a
+    tie), so that one op typed on the wrong rank is the one pointed at. A stage outside 0..S-1, an op on a rank
+    that does not hold its stage, or a rank listing more stages than V is a mistake in the text: exit 2, at the op.
+    """
+    stages = len(given)
+    counts: dict[int, dict[int, int]] = {}  # stage -> rank -> ops listed
     for rank, stream in enumerate(streams):
-        for instruction in stream:
+        for index, instruction in enumerate(stream):
             for action in instruction.parts:
-                if 0 <= action.stage < len(placement) and action.stage not in seen:
-                    seen.add(action.stage)
-                    placement[action.stage] = rank
+                if not 0 <= action.stage < stages:
+                    raise PipecInputError(
+                        f"rank {rank} lists {action}, an op of stage {action.stage}, but the schedule has stages "
+                        f"0..{stages - 1} (S = P * V = {len(streams)} * {chunks})",
+                        spans[rank][index],
+                    )
+                by_rank = counts.setdefault(action.stage, {})
+                by_rank[rank] = by_rank.get(rank, 0) + 1
+    placement = list(given)
+    if schedule.placement is None:
+        for stage, by_rank in counts.items():
+            placement[stage] = max(by_rank, key=lambda r: (by_rank[r], -r))
+    for rank, stream in enumerate(streams):
+        for index, instruction in enumerate(stream):
+            for action in instruction.parts:
+                home = placement[action.stage]
+                if home == rank:
+                    continue
+                if schedule.placement is not None:
+                    why = f"but the placement puts stage {action.stage} on rank {home}"
+                else:
+                    listed = _ops_text(counts[action.stage][home])
+                    why = f"which rank {home} runs (it lists {listed} of stage {action.stage})"
+                raise PipecInputError(
+                    f"rank {rank} lists {action}, an op of stage {action.stage}, {why}; each stage lives on one rank",
+                    spans[rank][index],
+                )
+    if schedule.placement is None:  # a rank listing more stages than it holds: point at its least listed one
+        for rank, stream in enumerate(streams):
+            mine = sorted(stage for stage, home in enumerate(placement) if home == rank and stage in counts)
+            if len(mine) <= chunks:
+                continue
+            extra = min(mine, key=lambda stage: (counts[stage][rank], -stage))
+            index = next(i for i, ins in enumerate(stream) if any(a.stage == extra for a in ins.parts))
+            raise PipecInputError(
+                f"rank {rank} lists ops of {len(mine)} stages ({', '.join(map(str, mine))}), but each rank holds "
+                f"V = {chunks}; {stream[index]} is an op of stage {extra}",
+                spans[rank][index],
+            )
     return tuple(placement)
 
 
-def _literal_streams(schedule: ast.Schedule, ranks: int) -> list[list[Instruction]]:
+def _ops_text(n: int) -> str:
+    return f"{n} op" if n == 1 else f"{n} ops"
+
+
+def _literal_streams(schedule: ast.Schedule, ranks: int) -> tuple[list[list[Instruction]], list[list[Span]]]:
+    """Each rank's literal order and the span of each action as written (what errors and explanations point at)."""
     streams: list[list[Instruction]] = [[] for _ in range(ranks)]
+    spans: list[list[Span]] = [[] for _ in range(ranks)]
     for rank_list in schedule.rank_lists:
         if not 0 <= rank_list.rank < ranks:
             raise PipecInputError(f"'rank {rank_list.rank}:' is outside 0..{ranks - 1} (P = {ranks})", rank_list.span)
         for text, span in rank_list.actions:
             try:
-                streams[rank_list.rank].append(parse_instruction(text))
+                instruction = parse_instruction(text)
             except PipecSyntaxError as e:
                 raise PipecSyntaxError(e.message, span) from None
-    return streams
+            if type(instruction) is Overlap:
+                first, second = instruction
+                refused = check_pair_kinds(first.kind.value, second.kind.value)
+                if refused is None and first.mb == second.mb:
+                    refused = _same_microbatch_pair(first, second)
+                if refused is not None:
+                    raise PipecSyntaxError(refused, span)
+            streams[rank_list.rank].append(instruction)
+            spans[rank_list.rank].append(span)
+    return streams, spans
+
+
+def _drop_padded_spans(stream: list[Instruction], spans: list[Span], microbatches: int) -> list[Span]:
+    """The spans of the instructions _drop_padded keeps (a pair keeps its span when one half is kept)."""
+    kept = zip(stream, spans, strict=True)
+    return [span for instruction, span in kept if any(a.mb < microbatches for a in instruction.parts)]
 
 
 def _drop_padded(stream: list[Instruction], microbatches: int) -> list[Instruction]:

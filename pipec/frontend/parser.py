@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import re
 from functools import cache, lru_cache
 from importlib import resources
 from typing import Any
@@ -12,6 +14,9 @@ from lark.indenter import DedentError, Indenter
 
 from pipec.errors import PipecSyntaxError, Span
 from pipec.frontend import ast
+from pipec.frontend.expand import check_pair_kinds
+from pipec.frontend.limits import MAX_LITERAL_DIGITS, MAX_NESTING
+from pipec.gcpause import without_cyclic_gc
 
 # What `expect NAME EXPR` may state; each is checked by pipec.testing against the simulator.
 EXPECTATIONS = ("bubble",)
@@ -72,6 +77,69 @@ def _describe_terminal(name: str) -> str:
     return repr(pattern.value) if pattern.type == "str" else name.lower()
 
 
+# What may start a statement of a per-rank program, besides an op and an assignment: a misspelt one parses as the
+# start of an assignment (`reapet warm: F` is NAME NAME ...), so the parser alone would only complain about `warm`.
+STATEMENT_KEYWORDS = ("repeat", "for", "while", "if", "elif", "else", "drain", "pass")
+_WORD_BEFORE = re.compile(r"(?:^|[:;])[ \t]*([A-Za-z_][A-Za-z0-9_]*)[ \t]*$")
+
+
+def _keywords(expected: set[str]) -> list[str]:
+    """The keywords (`params`, `rank`, ...) among the terminals the parser expected."""
+    words = []
+    for name in expected:
+        try:
+            pattern = _lark().get_terminal(name).pattern
+        except KeyError:
+            continue
+        if pattern.type == "str" and pattern.value.isidentifier():
+            words.append(pattern.value)
+    return sorted(words)
+
+
+def _explain_unexpected(
+    token: Token, expected: set[str], line: int, column: int, filename: str, text: str
+) -> PipecSyntaxError | None:
+    """A message for the mistakes that Lark's 'unexpected X; expected Y' describes badly: a misspelt keyword (with
+    the keyword it resembles) and a word where an op or a statement should be. None: the generic message will do."""
+    word = str(token)
+    # a word where keywords or ops could stand: `parms P, M`, `per rnk r:`, `F G` (the lexer may read a word there
+    # as a schedule name, which takes the same characters)
+    if token.type in ("NAME", "SCHEDULE_NAME") and word.isidentifier():
+        close = difflib.get_close_matches(word, _keywords(expected), n=1, cutoff=0.6)
+        span = Span(filename, line, column, line, column + len(word), text)
+        if close:
+            return PipecSyntaxError(f"unknown keyword {_shorten(word)!r}: did you mean {close[0]!r}?", span)
+        if "OPKIND" in expected:  # `F G`: after an op, another op could follow
+            return PipecSyntaxError(_not_an_op(word), span)
+    if "EQUAL" not in expected:
+        return None
+    # The parser read a word at the start of a statement and so expects `word = ...`: the word is the mistake.
+    lines = text.splitlines()
+    before = lines[line - 1][: column - 1] if 1 <= line <= len(lines) else ""
+    found = _WORD_BEFORE.search(before)
+    if found is None:
+        return None
+    word = found[1]
+    span = Span(filename, line, found.start(1) + 1, line, found.end(1) + 1, text)
+    close = difflib.get_close_matches(word, STATEMENT_KEYWORDS, n=1, cutoff=0.6)
+    if word.upper() in _OP_LETTERS:
+        return PipecSyntaxError(_not_an_op(word), span)
+    if close:
+        return PipecSyntaxError(f"unknown statement {_shorten(word)!r}: did you mean {close[0]!r}?", span)
+    return PipecSyntaxError(f"{_not_an_op(word)}, a statement such as repeat or if, or an assignment '{word} = ...'",
+                            span)
+
+
+_OP_LETTERS = ("F", "B", "I", "W")
+
+
+def _not_an_op(word: str) -> str:
+    shown = _shorten(word)
+    if word.upper() in _OP_LETTERS:
+        return f"{shown!r} is not an op: ops are written in capitals (F, B, I, W)"
+    return f"{shown!r} is not an op: expected an op such as F, B, I or W (F[1], B @ m)"
+
+
 def _describe_expected(expected: set[str]) -> str:
     # Structure first: a missing ':' or ')' is the likeliest mistake, the operators that could continue an
     # expression the least informative.
@@ -93,8 +161,22 @@ def parse(text: str, filename: str = "<string>") -> ast.Schedule:
     (P, M, V), as `pipec test` and the benchmarks do, parses it once."""
     if not text.endswith("\n"):
         text += "\n"
+    # Lark builds a token, a tree and a meta object per token and frees none of them in cycles: the cyclic
+    # collector would rescan them all, which made parsing a large file superlinear (2-3x slower at 100k lines)
+    with without_cyclic_gc():
+        tree = _parse_tree(text, filename)
+        _check_nesting(tree, filename, text)
+        try:
+            return _ToAst(filename, text).transform(tree)
+        except VisitError as e:
+            if isinstance(e.orig_exc, PipecSyntaxError):
+                raise e.orig_exc from None
+            raise
+
+
+def _parse_tree(text: str, filename: str) -> Tree:
     try:
-        tree = _lark().parse(text)
+        return _lark().parse(text)
     except UnexpectedCharacters as e:
         span = Span(filename, e.line, e.column, e.line, e.column + 1, text)
         raise PipecSyntaxError(f"unexpected character {text[e.pos_in_stream]!r}", span) from None
@@ -110,11 +192,14 @@ def parse(text: str, filename: str = "<string>") -> ast.Schedule:
         if token.type in ("_NL", "_INDENT", "_DEDENT", "$END"):
             what = _TOKEN_NAMES[token.type]
         else:
-            what = repr(str(token))
+            what = repr(_shorten(str(token)))
         width = max(1, len(str(token))) if token.type not in ("_NL", "_DEDENT", "_INDENT", "$END") else 1
         span = Span(filename, line, column, line, column + width, text)
         if token.type == "_INDENT":  # what could have come instead is no help here
             raise PipecSyntaxError("unexpected indentation: this line is deeper than its block", span) from None
+        better = _explain_unexpected(token, set(e.expected), line, column, filename, text)
+        if better is not None:
+            raise better from None
         raise PipecSyntaxError(f"unexpected {what}; expected {_describe_expected(set(e.expected))}", span) from None
     except UnexpectedEOF as e:
         line, column = _end_position(text)
@@ -129,12 +214,56 @@ def parse(text: str, filename: str = "<string>") -> ast.Schedule:
         line = _dedent_line(text)
         span = Span(filename, line, 1, line, 2, text)
         raise PipecSyntaxError("inconsistent indentation: this line lines up with no enclosing block", span) from None
-    try:
-        return _ToAst(filename, text).transform(tree)
-    except VisitError as e:
-        if isinstance(e.orig_exc, PipecSyntaxError):
-            raise e.orig_exc from None
-        raise
+
+
+# Tree nodes that nest: a block, or an expression operator. The AST builder, the compiler and the per-rank closures
+# all recurse once or twice per level, so the depth is bounded here, before any of them runs.
+_NESTING_RULES = frozenset(
+    {
+        "suite", "add", "sub", "mul", "floordiv", "truediv", "mod", "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_",
+        "neg", "not_", "cond", "call", "count", "pending", "chunk", "at", "pair",
+    }
+)
+
+
+def _check_nesting(tree: Tree, filename: str, text: str) -> None:
+    """Refuse blocks and expressions nested more than MAX_NESTING deep (an explicit stack: no recursion here)."""
+    stack: list[tuple[Tree, int]] = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if node.data in _NESTING_RULES:
+            depth += 1
+            if depth > MAX_NESTING:
+                meta = node.meta
+                line = getattr(meta, "line", None) or 1
+                column = getattr(meta, "column", None) or 1
+                span = Span(filename, line, column, line, column + 1, text)
+                raise PipecSyntaxError(
+                    f"blocks and expressions are nested more than {MAX_NESTING} levels deep here; "
+                    f"pipec allows at most {MAX_NESTING}",
+                    span,
+                )
+        stack.extend((child, depth) for child in node.children if isinstance(child, Tree))
+
+
+def _integer(token: Token, filename: str, text: str) -> int:
+    """An integer literal, refused with its span when it has more digits than any schedule needs (a 5,000-digit
+    number would also hit Python's limit on converting long strings to int)."""
+    digits = str(token).lstrip("0")
+    if len(digits) > MAX_LITERAL_DIGITS:
+        line, column = token.line or 1, token.column or 1
+        span = Span(filename, line, column, line, column + len(token), text)
+        raise PipecSyntaxError(
+            f"integer literal with {len(digits):,} digits; pipec allows at most {MAX_LITERAL_DIGITS} "
+            f"(values below 10**{MAX_LITERAL_DIGITS})",
+            span,
+        )
+    return int(digits or "0")
+
+
+def _shorten(word: str, limit: int = 40) -> str:
+    """A token as a message quotes it: a 1 MB name would otherwise fill the terminal."""
+    return word if len(word) <= limit else word[: limit - 3] + "..."
 
 
 def _end_position(text: str) -> tuple[int, int]:
@@ -190,7 +319,7 @@ class _ToAst(Transformer):
     # -- expressions
     @v_args(meta=True)
     def int(self, meta: Any, children: list[Token]) -> ast.Int:
-        return ast.Int(int(children[0]), self._span(children[0]))
+        return ast.Int(_integer(children[0], self.filename, self.text), self._span(children[0]))
 
     @v_args(meta=True)
     def var(self, meta: Any, children: list[Token]) -> ast.Var:
@@ -270,6 +399,9 @@ class _ToAst(Transformer):
         for part in (first, second):
             if part.if_pending:
                 raise self._error("an overlapped pair must emit both of its ops: 'W?' cannot be one", meta)
+        refused = check_pair_kinds(first.kind, second.kind)
+        if refused is not None:
+            raise self._error(refused, meta)
         return ast.Pair(first, second, self._span(meta))
 
     # -- statements
@@ -411,7 +543,8 @@ class _ToAst(Transformer):
     @v_args(meta=True)
     def rank_list(self, meta: Any, children: list[Token]) -> ast.RankList:
         rank, *actions = children
-        return ast.RankList(int(rank), tuple((str(a), self._span(a)) for a in actions), self._span(meta))
+        number = _integer(rank, self.filename, self.text)
+        return ast.RankList(number, tuple((str(a), self._span(a)) for a in actions), self._span(meta))
 
     @v_args(meta=True)
     def start(self, meta: Any, children: list[Any]) -> ast.Schedule:

@@ -20,6 +20,9 @@ outstanding batch is waited for in posting order (before the optimizer step). A 
 tensors alive until it has been waited for. Every message uses tag 0, so messages between two ranks match in
 issue order, as NCCL matches them. Shapes are known from start-up (`shapes`), never sent.
 
+Randomness: F runs each layer after reseeding `generators` from the micro-batch's seed (`seeds`, set per step
+by the worker) and the layer's index (stages.Stage.forward): dropout does not depend on the schedule.
+
 Split backward: F records the output of every layer with parameters. I asks autograd for the gradients of the
 stage input and of those layer outputs (keeping the graph); W then continues, layer by layer, from each
 recorded output and its gradient to that layer's parameters only, so no part of the backward runs twice.
@@ -62,6 +65,7 @@ class Context:
     input_fraction: float = DEFAULT_INPUT_FRACTION
     tracing: bool = False
     p2p_timeout: timedelta = timedelta(seconds=30)  # a p2p batch not done by then raises (a peer hung or died)
+    generators: tuple = ()  # the random generators F reseeds per layer (stages.reseed)
     # Per step.
     inputs: list = field(default_factory=list)
     targets: list = field(default_factory=list)
@@ -70,12 +74,14 @@ class Context:
     saved: dict = field(default_factory=dict)
     partial: dict = field(default_factory=dict)
     loss: Any = 0.0
+    losses: list = field(default_factory=list)  # (micro-batch, its loss / M) on the last stage, for the finite check
+    seeds: list | None = None  # each micro-batch's seed this step (stages.microbatch_seed); None: no reseeding
     # Measurements: seconds inside torch compute calls and inside p2p batches, peak live activations, events.
     compute_s: float = 0.0
     comm_s: float = 0.0
     peak: float = 0.0
-    events: list = field(default_factory=list)  # (actions, category, start, duration)
-    pc: int = -1  # the plan entry being executed, len(plan) at the end of the step (watchdog, error messages)
+    events: list = field(default_factory=list)  # (actions or a name, category, start, duration)
+    pc: int = -1  # the plan entry being executed, len(plan) at the end of the step (the guard thread, error messages)
     waiting: int = -1  # the plan entry of the batch being waited for, or -1
     outstanding: dict = field(default_factory=dict)  # plan entry -> Posted, in posting order
     plan: list = field(default_factory=list)  # the entries being run
@@ -92,20 +98,24 @@ def forward(ctx: Context, action: Action) -> None:
     s, _, m = action
     last = s == ctx.last_stage
     x = ctx.inputs[m] if s == 0 else ctx.acts.pop((s, m))
+    seed = ctx.seeds[m] if ctx.seeds is not None else None
     start = perf()
     if not ctx.training:
         with torch.no_grad():
-            y = ctx.stages[s].forward(x)
+            y = ctx.stages[s].forward(x, seed, ctx.generators)
             if last and ctx.loss_fn is not None:
-                ctx.loss += ctx.loss_fn(y, ctx.targets[m]).detach() / ctx.microbatches
+                loss = ctx.loss_fn(y, ctx.targets[m]).detach() / ctx.microbatches
+                ctx.loss += loss
+                ctx.losses.append((m, loss))
     else:
         if s > 0:
             x.requires_grad_()
-        y, recorded = ctx.stages[s].forward_recording(x)
+        y, recorded = ctx.stages[s].forward_recording(x, seed, ctx.generators)
         if last:
             # The mean of the micro-batch losses is the full-batch loss: each backward starts from loss / M.
             y = ctx.loss_fn(y, ctx.targets[m]) / ctx.microbatches
             ctx.loss += y.detach()
+            ctx.losses.append((m, y.detach()))
         ctx.saved[s, m] = Saved(x if s > 0 else None, y, recorded)
     ctx.compute_s += _mark(ctx, action, start)
     if not last:
@@ -309,6 +319,7 @@ def run(ctx: Context, entries: list[Entry], inputs: list, targets: list) -> floa
     """One step of this rank's stream, ending with a wait for every batch still outstanding (rule 2: sends are
     waited for only here, before the optimizer step). Returns the loop's wall time."""
     ctx.inputs, ctx.targets, ctx.loss, ctx.plan = inputs, targets, 0.0, entries
+    ctx.losses = []
     ctx.outstanding.clear()  # only a failed step could have left any
     start = perf()
     for ctx.pc, entry in enumerate(entries):

@@ -1,30 +1,40 @@
-"""One rank's run: set-up, steps, statistics, the report, the trace and the saved weights.
+"""One rank's run: set-up, steps, statistics, checkpoints, the report, the trace and the saved weights.
 
-Runs inside an initialised default process group (launch.py starts it, or torchrun does). Set-up, in order:
-build the workload with the shared seed (every rank holds the same model and data), agree on the schedule and
-the partition (a rank that compiled something else stops every rank here, before any message), learn the
-activation shapes once (each stage's owner runs it on one micro-batch and broadcasts its output shape), then
-build the interpreter's context and plan.
+Runs inside an initialised default process group of P x D ranks (launch.py starts it, or torchrun does; the
+layout is replicas.Layout's). Set-up, in order: build the workload with the shared seed (every rank holds the
+same model and data), agree on the schedule, --dp, the partition and the step to resume from (a rank that
+compiled something else stops every rank here, before any message), learn the activation shapes once (each
+stage's owner in replica 0 runs it on one micro-batch and broadcasts its output shape), create the replica
+groups, build the interpreter's context and plan, then load the checkpoint being resumed (after the shape pass,
+so that a layer with side effects, BatchNorm, does not see that extra forward after its state was restored).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 import json
+import math
+import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
+from typing import BinaryIO
 
 import torch
 import torch.distributed as dist
 
 from pipec.errors import PipecError, PipecInputError
 from pipec.ir import Program
-from pipec.runtime import interpreter, stages, workload
+from pipec.outputs import write_with
+from pipec.runtime import checkpoint, interpreter, stages, workload
 from pipec.runtime.interpreter import Context
-from pipec.runtime.objects import all_gather_objects, broadcast_object
+from pipec.runtime.launch import RunError, group_timeout, parent_gone
+from pipec.runtime.objects import all_gather_objects, broadcast_object, gather_objects
+from pipec.runtime.replicas import Layout, average_gradients, replica_group
 from pipec.verify.memory import peak_activations
 
 
@@ -39,6 +49,13 @@ class Options:
     trace: str | None = None
     quiet: bool = False
     timeout_s: float = 30.0  # each p2p batch
+    allow_nonfinite: bool = False  # train on through NaN/inf losses and gradients (no check, no cost)
+    dp: int = 1  # D: pipeline replicas (data parallel); the world is P x D processes
+    checkpoint: str | None = None  # DIR: write checkpoints there
+    checkpoint_every: int | None = None  # K: a checkpoint every K steps (and always after the last step)
+    resume: str | None = None  # the step directory to resume from (chosen and checked before workers start)
+    resume_step: int = 0  # the steps it holds: training continues at this step index
+    job: str | None = None  # torchrun's run id (TORCHELASTIC_RUN_ID), recorded in manifests; None otherwise
 
 
 @dataclass
@@ -47,8 +64,10 @@ class StepStats:
     loop_s: float  # the interpreter loop
     compute_s: float  # inside torch compute calls of the loop
     comm_s: float  # inside p2p calls: posting batches and waiting for them
+    allreduce_s: float  # averaging the gradients over the replicas (0 when D = 1)
     optimizer_s: float
     loss: float | None
+    nonfinite: list[str] = field(default_factory=list)  # what this rank found not finite (then no optimizer step)
 
 
 @dataclass
@@ -57,13 +76,19 @@ class Runner:
 
     program: Program
     work: workload.Workload
-    rank: int
+    rank: int  # global rank
     sizes: tuple[int, ...]
     ctx: Context
     entries: list
     optimizer: object
     params: list
+    layout: Layout
+    group: object  # this rank's replica group (None when D = 1)
+    names: dict  # id(parameter) -> its name in the unsplit model (checkpoints key the optimizer state by it)
+    seed: int = 0
     step_index: int = -1
+    activity: str | None = None  # what the rank does outside its stream within a step (for messages)
+    check_finite: bool = True
     time_base: float = field(default_factory=time.perf_counter)
     events: list = field(default_factory=list)  # (step, actions, category, start, duration), when tracing
 
@@ -75,22 +100,36 @@ class Runner:
         partition: str = "params",
         tracing: bool = False,
         p2p_timeout_s: float = 30.0,
+        dp: int = 1,
+        seed: int = 0,
+        resume_step: int = 0,
     ):
-        rank = dist.get_rank()
-        if dist.get_world_size() != program.ranks:
-            raise PipecInputError(f"the schedule is compiled for {program.ranks} ranks but {dist.get_world_size()} run")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        layout = Layout(program.ranks, dp)
+        if world != layout.world:
+            raise PipecInputError(
+                f"the schedule is compiled for {program.ranks} ranks x --dp {dp} = {layout.world} processes, "
+                f"but {world} run"
+            )
+        replica, prank = layout.replica(rank), layout.pipeline_rank(rank)
         device = _device()
-        inputs, _ = workload.split(work.batches[0], program.microbatches)
-        sizes = _agree(program, work, partition, inputs[0])
-        mine = stages.build_stages(work.layers, sizes, program.stages_of(rank))
+        inputs, _ = workload.split(work.batches[0], program.microbatches, replica, dp)
+        sizes = _agree(program, work, partition, inputs[0], dp, resume_step)
+        mine = stages.build_stages(work.layers, sizes, program.stages_of(prank))
         for stage in mine.values():
             stage.to(device)
-        mine = stages.build_stages(work.layers, sizes, program.stages_of(rank))  # parameter lists after .to()
+        mine = stages.build_stages(work.layers, sizes, program.stages_of(prank))  # parameter lists after .to()
         shapes = _exchange_shapes(program, mine, inputs[0].to(device))
+        # Every rank creates every replica group, in the same order (new_group is collective).
+        group = replica_group(layout, rank, group_timeout(dist.get_backend(), p2p_timeout_s))
+        generators = [torch.default_generator]
+        if device.type == "cuda":
+            generators.append(torch.cuda.default_generators[device.index or 0])
         ctx = Context(
-            rank=rank,
+            rank=prank,
             stages=mine,
-            stage_to_rank=program.stage_to_rank,
+            # p2p peers: the same pipeline ranks of this replica (pipeline-major: offset by replica * P)
+            stage_to_rank=tuple(r + replica * program.ranks for r in program.stage_to_rank),
             shapes=shapes,
             microbatches=program.microbatches,
             loss_fn=work.loss_fn,
@@ -98,39 +137,89 @@ class Runner:
             training=not program.forward_only,
             tracing=tracing,
             p2p_timeout=timedelta(seconds=p2p_timeout_s),
+            generators=tuple(generators),
         )
         params = [p for stage in mine.values() for p in stage.parameters()]
+        names = {id(p): name for stage in mine.values() for name, p in stage.named_parameters()}
         optimizer = workload.make_optimizer(work, params) if ctx.training else None
         interpreter.check_program(program)
-        entries = interpreter.plan(program.streams[rank])
-        return cls(program, work, rank, sizes, ctx, entries, optimizer, params, time_base=_common_time_base(device))
+        entries = interpreter.plan(program.streams[prank])
+        return cls(
+            program, work, rank, sizes, ctx, entries, optimizer, params, layout, group, names, seed,
+            time_base=_common_time_base(device),
+        )  # fmt: skip
+
+    @property
+    def replica(self) -> int:
+        return self.layout.replica(self.rank)
+
+    @property
+    def pipeline_rank(self) -> int:
+        return self.layout.pipeline_rank(self.rank)
 
     def step(self, batch) -> StepStats:
-        """One step: split the batch, clear gradients, run the stream, step the optimizer (all timed)."""
+        """One step: take this replica's share of the batch, clear gradients, run the stream, average the
+        gradients over the replicas, step the optimizer (all timed)."""
         start = time.perf_counter()
         self.step_index += 1
-        ctx = self.ctx
-        inputs, targets = workload.split(batch, self.program.microbatches)
+        ctx, layout, microbatches = self.ctx, self.layout, self.program.microbatches
+        inputs, targets = workload.split(batch, microbatches, self.replica, layout.replicas)
         inputs = [x.to(ctx.device) for x in inputs]
         targets = [t.to(ctx.device) for t in targets]
+        # Random numbers derive from (seed, step, layer, micro-batch): nothing to save in a checkpoint.
+        first = self.replica * microbatches
+        ctx.seeds = [stages.microbatch_seed(self.seed, self.step_index, first + m) for m in range(microbatches)]
         ctx.compute_s = ctx.comm_s = 0.0
         for p in self.params:
             p.grad = None
         loop_s = interpreter.run(ctx, self.entries, inputs, targets)
+        # Checked before the optimizer step, so that a NaN never reaches the weights; train() stops every rank.
+        # Checked before averaging, so that the message names the replica where it appeared.
+        nonfinite = self.nonfinite() if self.check_finite else []
+        allreduce_s, peer_nonfinite = 0.0, False
+        if self.group is not None and ctx.training:
+            # After the stream: every p2p op of this rank has completed, so this collective cannot interleave
+            # with the verified p2p order (docs/runtime.md, "Why the all-reduce cannot deadlock").
+            flag = bool(nonfinite) if self.check_finite else None
+            events = ctx.events if ctx.tracing else None
+            self.activity = "averaging the gradients over the replicas"
+            allreduce_s, peer_nonfinite = average_gradients(ctx.stages, self.group, layout.replicas, flag, events)
+            self.activity = None
         opt_start = time.perf_counter()
-        if self.optimizer is not None:
+        if self.optimizer is not None and not nonfinite and not peer_nonfinite:
             self.optimizer.step()
         end = time.perf_counter()
         self.events.extend((self.step_index, *event) for event in ctx.events)
         ctx.events.clear()
-        loss = float(ctx.loss) if self.program.stage_to_rank[-1] == self.rank else None
-        return StepStats(end - start, loop_s, ctx.compute_s, ctx.comm_s, end - opt_start, loss)
+        loss = float(ctx.loss) if self.program.stage_to_rank[-1] == self.pipeline_rank else None
+        return StepStats(end - start, loop_s, ctx.compute_s, ctx.comm_s, allreduce_s, end - opt_start, loss, nonfinite)
+
+    def nonfinite(self) -> list[str]:
+        """What this rank holds that is not finite after the stream: the loss of a micro-batch (last stage), or
+        a stage's gradients. One fused check over each stage's gradients, one over the step's losses."""
+        ctx, found = self.ctx, []
+        if ctx.losses:
+            values = torch.stack([loss.reshape(()).float() for _, loss in ctx.losses])
+            finite = torch.isfinite(values)
+            if not bool(finite.all()):
+                oks = finite.tolist()
+                bad = [(m, float(v)) for (m, _), v, ok in zip(ctx.losses, values, oks, strict=True) if not ok]
+                more = f" (and {len(bad) - 1} more micro-batches)" if len(bad) > 1 else ""
+                found.append(f"the loss is {bad[0][1]} at micro-batch {bad[0][0]} of stage {ctx.last_stage}{more}")
+        if ctx.training:
+            for s in sorted(ctx.stages):
+                grads = [p.grad for p in ctx.stages[s].parameters() if p.grad is not None]
+                if grads and not _all_finite(grads):
+                    found.append(f"stage {s} has non-finite gradients")
+        return found
 
     def where(self) -> str:
-        """The current step and instruction (and the batch it waits for), for error messages and the watchdog."""
+        """The current step and instruction (and the batch it waits for), for error messages and the guard thread."""
         pc, waiting = self.ctx.pc, self.ctx.waiting
+        if self.step_index < 0:
+            return "before the first step"
         if pc < 0:
-            return f"step {self.step_index}, between instructions"
+            return f"step {self.step_index}, {self.activity or 'between instructions'}"
         if pc >= len(self.entries):
             text = f"step {self.step_index}, end of step"
         else:
@@ -147,6 +236,27 @@ class Runner:
             out.update(stage.state_dict())
         return out
 
+    def optimizer_state(self) -> dict | None:
+        """This rank's optimizer state keyed by unsplit parameter name (None without an optimizer)."""
+        if self.optimizer is None:
+            return None
+        return checkpoint.optimizer_state(self.optimizer, self.names)
+
+    def restore(self, path: str) -> None:
+        """Load a checkpoint's model entries for this rank's stages and its optimizer state for their
+        parameters, whatever schedule, P, V, D or partition wrote it (both are keyed by unsplit names)."""
+        model = torch.load(os.path.join(path, checkpoint.MODEL_FILE), map_location="cpu", weights_only=True)
+        by_layer: dict[str, dict] = {}
+        for key, value in model.items():
+            layer, _, rest = key.partition(".")
+            by_layer.setdefault(layer, {})[rest] = value
+        for stage in self.ctx.stages.values():
+            for i, layer in enumerate(stage.layers):
+                layer.load_state_dict(by_layer.get(str(stage.first_layer + i), {}), strict=True)
+        if self.optimizer is not None:
+            saved = torch.load(os.path.join(path, checkpoint.OPTIMIZER_FILE), map_location="cpu", weights_only=True)
+            checkpoint.load_optimizer_state(self.optimizer, self.names, saved)
+
     def trace_events(self) -> list[tuple]:
         base = self.time_base
         return [(self.rank, step, acts, cat, start - base, dur) for step, acts, cat, start, dur in self.events]
@@ -155,10 +265,44 @@ class Runner:
 def _common_time_base(device: torch.device) -> float:
     """The trace's time origin in this process's perf_counter terms: the earliest wall-clock time any rank reads
     here (wall clocks agree across processes and, NTP permitting, across nodes; perf_counter is precise)."""
-    offset = time.time() - time.perf_counter()
+    offset = _clock_offset()
     earliest = torch.tensor([time.time()], dtype=torch.float64, device=device)
     dist.all_reduce(earliest, op=dist.ReduceOp.MIN)
     return float(earliest[0]) - offset
+
+
+def _clock_offset(samples: int = 7) -> float:
+    """time.time() - time.perf_counter(), from the reading bracketed most tightly by two perf_counter() calls: on a
+    loaded machine a process can be descheduled between the two clock reads, which would shift this rank's whole
+    trace by milliseconds against the others' (a receive could then appear to end before its send was posted)."""
+    best = (float("inf"), 0.0)
+    for _ in range(samples):
+        before = time.perf_counter()
+        wall = time.time()
+        after = time.perf_counter()
+        best = min(best, (after - before, wall - (before + after) / 2))
+    return best[1]
+
+
+def _all_finite(grads: list) -> bool:
+    """One fused pass per device and dtype: the kernel GradScaler uses to find inf/NaN (it also multiplies the
+    gradients by 1.0, which changes nothing); a plain isfinite where it does not apply (sparse gradients)."""
+    groups: dict = {}
+    for g in grads:
+        if g.is_sparse:
+            if not bool(torch.isfinite(g.coalesce().values()).all()):
+                return False
+            continue
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    for (device, _), group in groups.items():
+        found = torch.zeros(1, device=device)
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found, torch.ones(1, device=device))
+        except (RuntimeError, TypeError, NotImplementedError):  # a dtype or device the fused kernel lacks
+            found.fill_(0.0 if all(bool(torch.isfinite(g).all()) for g in group) else 1.0)
+        if bool(found.item()):
+            return False
+    return True
 
 
 def _device() -> torch.device:
@@ -174,13 +318,21 @@ def fingerprint(program: Program) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
-def _agree(program: Program, work: workload.Workload, partition: str, sample) -> tuple[int, ...]:
-    """Every rank must run the same schedule on the same partition; the partition is rank 0's."""
+def _agree(
+    program: Program, work: workload.Workload, partition: str, sample, dp: int = 1, resume_step: int = 0
+) -> tuple[int, ...]:
+    """Every rank must run the same schedule, --dp and first step on the same partition; the partition is rank
+    0's."""
     rank, world = dist.get_rank(), dist.get_world_size()
     sizes = None
     if rank == 0 or partition != "profile":
         sizes = stages.partition(work.layers, program.num_stages, partition, sample)
-    mine = (fingerprint(program), f"{program.name} P={program.ranks} M={program.microbatches} V={program.chunks}")
+    label = f"{program.name} P={program.ranks} M={program.microbatches} V={program.chunks}"
+    if dp > 1:
+        label += f" --dp {dp}"
+    if resume_step:
+        label += f" from step {resume_step}"
+    mine = (f"{fingerprint(program)}/{dp}/{resume_step}", label)
     views = all_gather_objects((mine, sizes))
     base = views[0]
     differing = [r for r in range(world) if views[r][0][0] != base[0][0]]
@@ -216,78 +368,262 @@ def _exchange_shapes(program: Program, mine: dict, sample) -> dict:
 def train(program: Program, options: Options, say=print) -> dict:
     """Run every step on this rank; rank 0 prints and writes the files. Returns this rank's result."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    _PHASE[:] = ["set-up"]
     work = workload.build(options.model, options.seed)
-    runner = Runner.setup(program, work, options.partition, options.trace is not None, options.timeout_s)
-    _CURRENT.append(runner)
+    runner = Runner.setup(
+        program, work, options.partition, options.trace is not None, options.timeout_s, options.dp, options.seed,
+        options.resume_step if options.resume else 0,
+    )  # fmt: skip
+    runner.check_finite = not options.allow_nonfinite
     talk = rank == 0 and not options.quiet
-    if talk:
-        say(f"{program.name}: P={program.ranks} M={program.microbatches} V={program.chunks}, {world} processes")
-        say("partition:\n" + stages.describe(work.layers, runner.sizes, program.stage_to_rank))
     steps = options.steps or len(work.batches)
+    start = options.resume_step if options.resume else 0
+    if options.resume:
+        _PHASE[:] = [f"loading the checkpoint {options.resume}"]
+        runner.restore(options.resume)  # after set-up's shape pass: see the module's docstring
+    _CURRENT.append(runner)
+    _PHASE[:] = ["steps"]
+    if talk:
+        replicas = f" x {options.dp} replicas" if options.dp > 1 else ""
+        shape = f"P={program.ranks} M={program.microbatches} V={program.chunks}{replicas}"
+        say(f"{program.name}: {shape}, {world} processes")
+        say("partition:\n" + stages.describe(work.layers, runner.sizes, program.stage_to_rank))
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if options.job is not None else "0"
+        if restart != "0":
+            say(f"torchrun restart {restart} of job {options.job}")
+        if options.resume:
+            say(f"resuming from {options.resume}: step {start} of {steps}")
+    writer = _CheckpointWriter(runner, options, say if talk else None) if options.checkpoint else None
+    runner.step_index = start - 1
     records = []
-    for k in range(steps):
+    for k in range(start, steps):
         stats = runner.step(work.batches[k % len(work.batches)])
-        # Outside the timed step: the slowest rank's time and the loss (held by the last stage's rank).
-        summary = torch.tensor(
-            [stats.wall_s, -1e300 if stats.loss is None else stats.loss], dtype=torch.float64, device=runner.ctx.device
-        )  # on the rank's device: NCCL reduces CUDA tensors only
-        dist.all_reduce(summary, op=dist.ReduceOp.MAX)
-        step_s, loss = float(summary[0]), float(summary[1])
+        # Outside the timed step, one collective: every rank's step time (the slowest is the step's), the loss
+        # (held by the last stage's rank of each replica: the mean over replicas is the full batch's; a sum with
+        # zeros is exact and keeps a NaN, where a max would drop it) and whether any rank found a NaN or inf.
+        summary = torch.zeros(world + 2, dtype=torch.float64, device=runner.ctx.device)  # NCCL: CUDA tensors only
+        summary[rank] = stats.wall_s
+        summary[world] = 0.0 if stats.loss is None else stats.loss
+        summary[world + 1] = 1.0 if stats.nonfinite else 0.0
+        dist.all_reduce(summary, op=dist.ReduceOp.SUM)
+        if float(summary[world + 1]) > 0:
+            _stop_nonfinite(k, rank, stats.nonfinite, runner.layout)
+        step_s, loss = float(summary[:world].max()), float(summary[world]) / options.dp
         records.append((step_s, loss, stats))
         if talk:
             say(f"step {k:>3}  loss {loss:.6f}  {step_s * 1e3:8.2f} ms")
-    result = _summarise(program, runner, records, options, say if talk else None)
+        every = options.checkpoint_every
+        if writer is not None and (k + 1 == steps or (every and (k + 1) % every == 0)):
+            writer.write(k + 1)
+    _PHASE[:] = ["after the last step"]
+    result = _summarise(program, runner, records, options, say if talk else None, start, writer)
     _CURRENT.pop()
+    _PHASE[:] = ["set-up"]
     return result
 
 
-_CURRENT: list[Runner] = []  # the runner of this process, for the watchdog and error messages
+CHECKPOINT_WAIT_S = 1800.0  # how long the other ranks wait for rank 0 to write a checkpoint (or --timeout)
+
+
+class _CheckpointWriter:
+    """Writes the checkpoint of a step: replica 0's ranks send their model entries and optimizer state to rank 0
+    (the other replicas hold the same), rank 0 writes and commits it (pipec.runtime.checkpoint.write), and every
+    rank learns whether that worked (a failure stops the run, exit 3: a run that cannot checkpoint is not
+    protected, and should not look as if it were)."""
+
+    def __init__(self, runner: Runner, options: Options, say) -> None:
+        self.runner, self.options, self.say = runner, options, say
+        self.times: list[dict] = []
+        # The other ranks wait for rank 0 to write in a gloo group of its own, with a long timeout: writing a
+        # large model can take minutes, far beyond an NCCL group's timeout (--timeout, 30 s by default).
+        wait = timedelta(seconds=max(options.timeout_s, CHECKPOINT_WAIT_S))
+        self.wait_group = dist.new_group(backend="gloo", timeout=wait)  # collective: every rank creates it
+        self.kind = None
+        if runner.rank == 0:  # the optimizer's class, from the whole model (rank 0 may hold no parameters)
+            params = [p for p in runner.work.layers.parameters() if p.requires_grad]
+            self.kind = checkpoint.optimizer_kind(workload.make_optimizer(runner.work, params))
+
+    def write(self, step: int) -> None:
+        runner = self.runner
+        _PHASE[:] = [f"writing the checkpoint of step {step}"]
+        start = time.perf_counter()
+        mine = (runner.state_dict(), runner.optimizer_state()) if runner.replica == 0 else None
+        parts = gather_objects(mine, dst=0)
+        error, path = None, ""
+        if parts is not None:
+            try:
+                if parent_gone():  # pipec run was killed: nothing it would report is written
+                    raise checkpoint.CheckpointWriteError("the launching process is gone")
+                path = self._commit(step, [part for part in parts if part is not None])
+            except checkpoint.CheckpointWriteError as e:
+                error = e.message
+            except Exception as e:  # torch.save of a state it cannot pickle, say
+                error = f"cannot write the checkpoint of step {step}: {type(e).__name__}: {e}"
+        error = broadcast_object(error, src=0, group=self.wait_group)
+        if error is not None:
+            _PHASE[:] = ["steps"]
+            text = f"{error}; the previous checkpoint is intact" if runner.rank == 0 else "stopped with rank 0"
+            raise checkpoint.CheckpointWriteError(f"rank {runner.rank}: after step {step - 1}: {text}")
+        seconds = time.perf_counter() - start
+        self.times.append({"step": step, "seconds": seconds})
+        if self.say is not None:
+            self.say(f"checkpoint {path} ({seconds:.2f} s)")
+        _PHASE[:] = ["steps"]
+
+    def _commit(self, step: int, parts: list[tuple]) -> str:
+        runner, options = self.runner, self.options
+        model: dict = {}
+        for state, _ in parts:
+            model.update(state)
+        # In the unsplit model's layer order (a rank's stages need not be consecutive: zbv's V), as --save writes.
+        model = dict(sorted(model.items(), key=lambda item: int(item[0].partition(".")[0])))
+        optimizer = checkpoint.merge_optimizer_states(opt for _, opt in parts)
+        program, count = runner.program, len(runner.work.batches)
+        spec = checkpoint.state_spec(model)
+        manifest = {
+            "seed": options.seed,
+            "model": options.model,
+            "state": {k: {"shape": list(shape), "dtype": dtype} for k, (shape, dtype) in spec.items()},
+            "optimizer": self.kind,
+            "data": {"batches": count, "next_batch": step % count},
+            "rng": checkpoint.RNG_NOTE,
+            "written_by": {
+                "schedule": program.name,
+                "ranks": program.ranks,
+                "microbatches": program.microbatches,
+                "chunks": program.chunks,
+                "dp": options.dp,
+                "partition": list(runner.sizes),
+                "job": options.job,
+                "torch": torch.__version__,
+            },
+        }
+        files = {
+            checkpoint.MODEL_FILE: lambda stream: torch.save(model, stream),
+            checkpoint.OPTIMIZER_FILE: lambda stream: torch.save(optimizer, stream),
+        }
+        return checkpoint.write(options.checkpoint, step, files, manifest, on_temporary=_track_directory)
+
+
+def _track_directory(path: str | None) -> None:
+    """The temporary directory of the checkpoint being written, for `abandon_outputs` (None: no longer any)."""
+    _PARTIAL_DIRS.clear()
+    if path is not None:
+        _PARTIAL_DIRS.add(path)
+
+
+class NonFiniteError(PipecError):
+    """A loss or gradient was NaN or inf (without --allow-nonfinite): every rank stops after the step's stream,
+    before the optimizer step."""
+
+    exit_code = 3
+    located = True  # the message names the rank and the step itself
+
+
+def _stop_nonfinite(step: int, rank: int, mine: list[str], layout: Layout | None = None) -> None:
+    """Every rank reaches this in the same step (the flag was all-reduced); each says what it found, or who did.
+    With replicas, each rank also names its replica: a NaN in one replica's data shows there first."""
+    found = all_gather_objects(mine)
+    who = f"rank {rank}"
+    if layout is not None and layout.replicas > 1:
+        who += f" (replica {layout.replica(rank)})"
+    if mine:
+        text = "; ".join(mine)
+        raise NonFiniteError(
+            f"{who}: step {step}: {text}; stopped before the optimizer step (--allow-nonfinite trains on)"
+        )
+    others = ", ".join(str(r) for r, items in enumerate(found) if items)
+    raise NonFiniteError(f"{who}: step {step}: stopped with the others (non-finite values on rank {others})")
+
+
+_CURRENT: list[Runner] = []  # the runner of this process, for the guard and error messages
+_PHASE: list[str] = ["set-up"]  # set-up, steps, writing a checkpoint, after the last step, writing the outputs
+_PARTIAL: set[str] = set()  # temporary files of outputs being written (removed if the process is stopped)
+_PARTIAL_DIRS: set[str] = set()  # the temporary directory of a checkpoint being written (likewise)
 
 
 def where() -> str:
-    return _CURRENT[-1].where() if _CURRENT else "set-up"
+    if _PHASE[0] == "steps" and _CURRENT:
+        return _CURRENT[-1].where()
+    return _PHASE[0]
 
 
-def _summarise(program: Program, runner: Runner, records: list, options: Options, say) -> dict:
-    rank = runner.rank
+def where_stopped() -> str:
+    """Where this rank was, for the message of a rank stopped by a signal."""
+    phase = _PHASE[0]
+    if phase == "steps" and _CURRENT:
+        return "at " + _CURRENT[-1].where()
+    if phase == "writing the outputs":
+        return "while writing the outputs (none kept)"
+    if phase.startswith("writing the checkpoint"):
+        return f"while {phase} (not committed; the previous one is intact)"
+    return "during set-up" if phase == "set-up" else phase
+
+
+def abandon_outputs() -> None:
+    """Remove the temporary files of outputs being written, and the temporary directory of a checkpoint: the
+    process is about to end without finishing."""
+    import shutil
+
+    for path in list(_PARTIAL):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    for path in list(_PARTIAL_DIRS):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _summarise(
+    program: Program, runner: Runner, records: list, options: Options, say, first_step: int = 0, writer=None
+) -> dict:
+    rank, prank = runner.rank, runner.pipeline_rank
     step_times = [r[0] for r in records]
-    instructions = len(program.streams[rank])
+    instructions = len(program.streams[prank])
     compute = sum(r[2].compute_s for r in records)
     comm = sum(r[2].comm_s for r in records)
+    allreduce = sum(r[2].allreduce_s for r in records)
     optimizer = sum(r[2].optimizer_s for r in records)
     # the interpreter's own cost: the loop's time outside torch's compute calls and the p2p batches
     interpreter_s = sum(r[2].loop_s for r in records) - compute - comm
     mine = {
         "rank": rank,
+        "replica": runner.replica,
+        "pipeline_rank": prank,
         "compute_s": compute + optimizer,
         "comm_wait_s": comm,
+        "allreduce_s": allreduce,
         "idle_s": sum(r[0] - r[2].wall_s for r in records),  # waiting for the slowest rank to finish the step
         "interpreter_s": interpreter_s,
         "instructions_per_step": instructions,
         "interpreter_us_per_instruction": 1e6 * interpreter_s / max(1, instructions * len(records)),
         "peak_activations": runner.ctx.peak,
-        "peak_activations_predicted": peak_activations(program)[rank],
+        "peak_activations_predicted": peak_activations(program)[prank],
     }
     gathered = all_gather_objects((mine, runner.trace_events() if options.trace else []))
     weights = None
-    if options.save:
-        parts = all_gather_objects(runner.state_dict())
-        weights = {k: v for part in parts for k, v in part.items()}
-    microbatch = workload.split(runner.work.batches[0], program.microbatches)[0][0].shape[0]
-    samples = microbatch * program.microbatches
-    median = statistics.median(step_times)
+    if options.save:  # replica 0 holds the whole model (every replica holds the same weights)
+        parts = gather_objects(runner.state_dict() if runner.replica == 0 else {}, dst=0)
+        weights = {k: v for part in parts for k, v in part.items()} if parts is not None else None
+    samples = runner.work.batches[0][0].shape[0]  # the D replicas' micro-batches make the whole batch
+    median = statistics.median(step_times) if step_times else None
     report = {
         "schedule": program.name,
         "ranks_count": program.ranks,
         "microbatches": program.microbatches,
         "chunks": program.chunks,
+        "dp": runner.layout.replicas,
+        "world_size": runner.layout.world,
         "partition": list(runner.sizes),
+        "first_step": first_step,
         "step_times": step_times,
         "median_step_s": median,
-        "losses": [r[1] for r in records],
-        "samples_per_s": samples / median if median > 0 else None,
+        "losses": [r[1] if math.isfinite(r[1]) else None for r in records],  # strict JSON: null for NaN/inf
+        "samples_per_s": samples / median if median else None,
         "ranks": [g[0] for g in gathered],
     }
+    if options.resume:
+        report["resumed_from"] = options.resume
+    if writer is not None:
+        report["checkpoints"] = writer.times
     if program.forward_only:
         report["baseline_samples_per_s"] = _baseline_throughput(runner, len(step_times)) if rank == 0 else None
         dist.barrier()
@@ -312,58 +648,106 @@ def _baseline_throughput(runner: Runner, steps: int) -> float:
 
 def _write_outputs(report: dict, events: list, weights, options: Options, say) -> None:
     if say is not None:
-        say(f"median step {report['median_step_s'] * 1e3:.2f} ms, {report['samples_per_s']:.1f} samples/s")
+        if report["median_step_s"] is None:
+            say(f"no step left to train: the checkpoint is at step {report['first_step']}")
+        else:
+            say(f"median step {report['median_step_s'] * 1e3:.2f} ms, {report['samples_per_s']:.1f} samples/s")
         if "baseline_samples_per_s" in report:
             say(f"one process, whole model: {report['baseline_samples_per_s']:.1f} samples/s")
-        say("rank  compute_s  comm_wait_s  idle_s  interp_us/instr  peak_activations  predicted")
+        replicated = report["dp"] > 1  # the all-reduce column only where there is one
+        say(
+            "rank  compute_s  comm_wait_s  " + ("allreduce_s  " if replicated else "")
+            + "idle_s  interp_us/instr  peak_activations  predicted"
+        )  # fmt: skip
         for r in report["ranks"]:
+            allreduce = f"{r['allreduce_s']:11.4f}  " if replicated else ""
             say(
-                f"{r['rank']:>4}  {r['compute_s']:9.4f}  {r['comm_wait_s']:11.4f}  {r['idle_s']:6.4f}  "
+                f"{r['rank']:>4}  {r['compute_s']:9.4f}  {r['comm_wait_s']:11.4f}  {allreduce}{r['idle_s']:6.4f}  "
                 f"{r['interpreter_us_per_instruction']:15.1f}  {r['peak_activations']:16g}  "
                 f"{r['peak_activations_predicted']:9g}"
             )
+    outputs: list[tuple[str, Callable[[BinaryIO], object]]] = []
     if options.report:
-        _write(options.report, json.dumps(report, indent=2) + "\n")
+        report_bytes = (json.dumps(report, indent=2) + "\n").encode()
+        outputs.append((options.report, lambda stream: stream.write(report_bytes)))
     if options.trace:
-        write_trace(options.trace, events, f"pipec run {report['schedule']} (measured)")
+        title = f"pipec run {report['schedule']} (measured)"
+        trace_bytes = trace_text(events, title, report["ranks_count"]).encode()
+        outputs.append((options.trace, lambda stream: stream.write(trace_bytes)))
     if options.save and weights is not None:
+        outputs.append((options.save, lambda stream: torch.save(weights, stream)))
+    if not outputs:
+        return
+    if parent_gone():  # pipec run was killed: what it would have reported is gone, so write nothing
+        raise RunError("rank 0: the launching process is gone; no outputs written")
+    # Each output on its own, atomically (a temporary file renamed into place): a failure loses neither the
+    # previous file of that name nor the other outputs. Every failure is reported, then the run fails (exit 3).
+    _PHASE[:] = ["writing the outputs"]
+    written, failed = [], []
+    for path, writer in outputs:
         try:
-            torch.save(weights, options.save)
-        except OSError as e:
-            raise PipecInputError(f"cannot write {options.save}: {e.strerror or e}") from None
+            write_with(path, _tracked(writer))
+            written.append(path)
+        except PipecError as e:
+            failed.append(e.message)
+        except Exception as e:  # torch.save of an object it cannot pickle, say
+            failed.append(f"cannot write {path}: {type(e).__name__}: {e}")
+    _PHASE[:] = ["after the last step"]
+    if failed:
+        kept = f"; written: {', '.join(written)}" if written else ""
+        raise OutputError(f"rank 0: after the last step: {'; '.join(failed)}{kept}")
 
 
-def write_trace(path: str, events: list, title: str) -> None:
+def _tracked(writer: Callable[[BinaryIO], object]) -> Callable[[BinaryIO], object]:
+    """`writer`, with the temporary file it writes known to `abandon_outputs` while it is being written."""
+
+    def write(stream: BinaryIO) -> object:
+        name = None
+        with contextlib.suppress(OSError, ValueError):
+            name = os.readlink(f"/proc/self/fd/{stream.fileno()}")  # Linux: the temporary file's path
+        if name:
+            _PARTIAL.add(name)
+        try:
+            return writer(stream)
+        finally:
+            _PARTIAL.discard(name or "")
+
+    return write
+
+
+class OutputError(PipecError):
+    """The run finished but an output could not be written (exit 3, like any failure after the workers
+    started); the other outputs were written, and a previous file of a failed output's name is unchanged."""
+
+    exit_code = 3
+    located = True
+
+
+def trace_text(events: list, title: str, ranks_per_replica: int | None = None) -> str:
     """The measured timeline as a Chrome trace, in the format of `pipec viz --trace` (pipec.viz.trace): one
-    track per rank, one slice per compute instruction, two per p2p batch (posting it, "comm", and waiting for
-    it, "wait"), an arrow from each send's posting to the end of the wait that delivered it."""
+    track per (global) rank, one slice per compute instruction, two per p2p batch (posting it, "comm", and
+    waiting for it, "wait"), one per gradient all-reduce ("allreduce", with --dp), an arrow from each send's
+    posting to the end of the wait that delivered it (within its replica: `ranks_per_replica` is P)."""
     from pipec.ir import Kind
-    from pipec.viz.trace import TraceEvent, TraceFlow
-    from pipec.viz.trace import write_trace as write
+    from pipec.viz.trace import TraceEvent, TraceFlow, chrome_trace
 
     items, sends, receives = [], {}, {}
     for rank, step, actions, category, start, duration in events:
+        if isinstance(actions, str):  # an all-reduce: a name, no actions
+            items.append(TraceEvent(rank, actions, category, start, duration, {"step": step}))
+            continue
         name = " ".join(map(str, actions))
         items.append(TraceEvent(rank, name, category, start, duration, {"step": step}))
+        replica = rank // ranks_per_replica if ranks_per_replica else 0
         for stage, kind, mb in actions:  # a send's arrow leaves when it was posted, arrives when the wait ended
             if kind is Kind.SEND_F and category == "comm":
-                sends[step, stage + 1, "F", mb] = (rank, start + duration)
+                sends[step, replica, stage + 1, "F", mb] = (rank, start + duration)
             elif kind is Kind.SEND_B and category == "comm":
-                sends[step, stage - 1, "B", mb] = (rank, start + duration)
+                sends[step, replica, stage - 1, "B", mb] = (rank, start + duration)
             elif kind in (Kind.RECV_F, Kind.RECV_B) and category == "wait":
-                receives[step, stage, kind.value[-1], mb] = (rank, start + duration)
+                receives[step, replica, stage, kind.value[-1], mb] = (rank, start + duration)
     flows = [TraceFlow(*sends[key], *receives[key]) for key in sends if key in receives]
-    try:
-        write(path, items, flows, title=title)
-    except OSError as e:
-        raise PipecInputError(f"cannot write {path}: {e.strerror or e}") from None
-
-
-def _write(path: str, text: str) -> None:
-    try:
-        Path(path).write_text(text)
-    except OSError as e:
-        raise PipecInputError(f"cannot write {path}: {e.strerror or e}") from None
+    return json.dumps(chrome_trace(items, flows, title=title))
 
 
 def describe_failure(error: BaseException, rank: int) -> str:
@@ -371,11 +755,13 @@ def describe_failure(error: BaseException, rank: int) -> str:
     text = text.strip() or type(error).__name__
     if len(text) > 800:
         text = text[:800] + " ..."
+    if getattr(error, "located", False):  # the message already names the rank and where it was
+        return text
     return f"rank {rank}: {where()}: {text}"
 
 
 def progress() -> tuple | None:
-    """What changes while this rank runs its stream (the watchdog compares it over time); None outside the
+    """What changes while this rank runs its stream (the guard thread compares it over time); None outside the
     stream (set-up, between steps), where only collectives block and the process group's timeout bounds them."""
     if not _CURRENT or _CURRENT[-1].ctx.pc < 0:
         return None
@@ -399,11 +785,155 @@ def _print(text: str) -> None:
         pass
 
 
-def validate(program: Program, options: Options) -> None:
-    """The checks that need no process group, done once before any worker starts (exit 2 on bad input)."""
+def validate(program: Program, options: Options) -> Options:
+    """The checks that need no process group, done once before any worker starts (exit 2 on bad input): the
+    workload's protocol (workload.build), the batch split (by D x M) and the partition, then a dry run of the
+    whole model and the loss on one micro-batch, without gradients, so that a model that cannot run on its own
+    batches fails here with a message rather than in every worker; then the checkpoints (`_plan_checkpoints`).
+    Returns the options with the checkpoint to resume from filled in."""
     work = workload.build(options.model, options.seed)
-    workload.split(work.batches[0], program.microbatches)
+    inputs, targets = workload.split(work.batches[0], program.microbatches, 0, options.dp)
+    sizes = None
     if options.partition != "profile":
-        stages.partition(work.layers, program.num_stages, options.partition)
+        sizes = stages.partition(work.layers, program.num_stages, options.partition)
     elif len(work.layers) < program.num_stages:
         stages.optimal_partition([1.0] * len(work.layers), program.num_stages)
+    _dry_run(options.model, work, sizes, inputs[0], targets[0], training=not program.forward_only)
+    if not program.forward_only:
+        params = [p for p in work.layers.parameters() if p.requires_grad]
+        try:
+            workload.make_optimizer(work, params)
+        except PipecError:
+            raise
+        except Exception as e:
+            text = f"{type(e).__name__}: {str(e)[:300]}"
+            raise PipecInputError(f"--model {options.model}: optimizer(params) raised {text}") from None
+    if options.checkpoint or options.resume:
+        return _plan_checkpoints(program, options, work)
+    return options
+
+
+def _plan_checkpoints(program: Program, options: Options, work: workload.Workload) -> Options:
+    """Where to resume from, decided before any worker starts; a checkpoint that cannot be used is refused here
+    (exit 2), and nothing is written but the --checkpoint directory itself (created if missing).
+
+    - `--resume DIR`: DIR's committed checkpoint (DIR/latest), checked; DIR must hold one.
+    - `--checkpoint DIR` holding a checkpoint: a fresh run refuses it (it would mix two runs' checkpoints), unless
+      DIR is also the --resume directory, or the checkpoint was written by this torchrun job (the manifest holds
+      the job's run id, TORCHELASTIC_RUN_ID): a worker restarted by torchrun resumes from DIR's newest
+      checkpoint without --resume. The job's id decides, not TORCHELASTIC_RESTART_COUNT: torchrun counts only
+      the restarts a node's own workers caused, so after a failure on another node this node's restarted workers
+      still see 0. torchrun's default id, "none" (multi-node without --rdzv-id), names no job: no automatic
+      resume then.
+    """
+    import dataclasses
+
+    if program.forward_only:
+        raise PipecInputError(f"--checkpoint and --resume need a training schedule; {program.name} runs forward only")
+    params = [p for p in work.layers.parameters() if p.requires_grad]
+    optimizer = workload.make_optimizer(work, params)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise PipecInputError(
+            f"--model {options.model}: checkpoints need a torch.optim.Optimizer (its state_dict is resharded by "
+            f"parameter name); optimizer(params) returned {workload.describe(optimizer)}"
+        )
+    kind = checkpoint.optimizer_kind(optimizer)
+    steps = options.steps or len(work.batches)
+    found, flag = None, "--resume"
+    same = bool(options.resume and options.checkpoint) and _same_path(options.resume, options.checkpoint)
+    if options.checkpoint and os.path.isdir(options.checkpoint) and not same:  # (same: checked as --resume below)
+        own = checkpoint.find(options.checkpoint, "--checkpoint")
+        if own is not None:
+            job = options.job
+            writer = own.manifest.get("written_by", {}).get("job")
+            if job not in (None, "", "none") and writer == job:  # this torchrun job's own: a restart resumes
+                found, flag = own, "--checkpoint"
+            else:
+                name = os.path.basename(own.path)
+                text = f"--checkpoint {options.checkpoint} already holds checkpoints (latest: {name}, step {own.step})"
+                if options.resume:
+                    raise PipecInputError(
+                        f"{text}; --resume reads {options.resume}: write the resumed run's checkpoints into "
+                        f"{options.resume} or into a directory without checkpoints"
+                    )
+                if job is not None:  # under torchrun: why a restart would not resume from them either
+                    who = (
+                        "torchrun's job has no id (give torchrun a unique --rdzv-id)"
+                        if job in ("", "none")
+                        else f"written by torchrun job {writer or '(none: pipec run)'}, this is job {job}"
+                    )
+                    raise PipecInputError(
+                        f"{text}, not resumed automatically: {who}; add --resume {options.checkpoint} to continue "
+                        "from them, or name a directory without checkpoints"
+                    )
+                raise PipecInputError(
+                    f"{text}; to continue that run add --resume {options.checkpoint}, or name a directory without "
+                    "checkpoints (refusing to mix two runs' checkpoints)"
+                )
+    if found is None and options.resume:
+        found = checkpoint.find(options.resume)
+        if found is None:
+            raise PipecInputError(
+                f"--resume {options.resume}: no checkpoint there yet (no {checkpoint.LATEST} file); "
+                "run without --resume to start from the beginning"
+            )
+    if found is not None:
+        where = f"{flag} {os.path.dirname(found.path)}"
+        state = checkpoint.state_spec(work.layers.state_dict())
+        checkpoint.check_compatible(found, state, kind, options.seed, len(work.batches), where)
+        if found.step > steps:
+            raise PipecInputError(
+                f"{where}: {os.path.basename(found.path)} has trained {found.step} steps, past --steps {steps}"
+            )
+        options = dataclasses.replace(options, resume=found.path, resume_step=found.step)
+    if options.checkpoint:
+        checkpoint.prepare_directory(options.checkpoint)
+    return options
+
+
+def _same_path(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _dry_run(spec: str, work: workload.Workload, sizes, sample, target, training: bool) -> None:
+    """Every layer on one micro-batch, then the loss. What crosses a stage boundary must be one tensor (the
+    stages exchange exactly one), and, when training, a floating-point one (gradients flow back through it)."""
+    starts = set(itertools.accumulate(sizes[:-1])) if sizes else set()
+    x = sample
+    with torch.no_grad():
+        for i, layer in enumerate(work.layers):
+            if i in starts:
+                stage = sorted(starts).index(i) + 1
+                if not isinstance(x, torch.Tensor):
+                    raise PipecInputError(
+                        f"--model {spec}: stage {stage} starts at layer {i}, whose input is {workload.describe(x)}; "
+                        "what flows between stages must be one tensor"
+                    )
+                if training and not x.is_floating_point():
+                    raise PipecInputError(
+                        f"--model {spec}: stage {stage} starts at layer {i}, whose input is a {x.dtype} tensor; "
+                        "gradients flow back only through floating-point tensors (cut elsewhere with --partition)"
+                    )
+            try:
+                x = layer(x)
+            except PipecError:
+                raise
+            except Exception as e:
+                shape = f"{tuple(sample.shape)} {sample.dtype}"
+                raise PipecInputError(
+                    f"--model {spec}: layer {i} ({type(layer).__name__}) fails on a micro-batch of batches[0] "
+                    f"(input {shape}): {type(e).__name__}: {str(e)[:300]}"
+                ) from None
+        try:
+            loss = work.loss_fn(x, target)
+        except PipecError:
+            raise
+        except Exception as e:
+            raise PipecInputError(
+                f"--model {spec}: loss_fn fails on the model's output ({workload.describe(x)}) and a micro-batch of "
+                f"targets ({workload.describe(target)}): {type(e).__name__}: {str(e)[:300]}"
+            ) from None
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise PipecInputError(
+            f"--model {spec}: loss_fn returned {workload.describe(loss)}; expected a scalar tensor (the mean)"
+        )

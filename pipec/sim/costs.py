@@ -18,15 +18,19 @@ Durations are in arbitrary time units (seconds if you measured seconds). Default
 - Memory (for the peak-activation figures, through ``pipec.verify.memory``): ``activation``, the activations of
   one micro-batch on a stage (a number or, in JSON, one per stage; default 1 unit everywhere) and
   ``input_fraction``, the share of them I frees (W frees the rest; default 0.5).
+- Every number is finite and 0 or within [MIN_AMOUNT, MAX_AMOUNT] (1e-12 to 1e15): inf, nan, 1e308 or a negative
+  value is refused naming its key, in ``--cost K=V`` text and in a JSON file alike (read as UTF-8, size-capped).
+- ``--cost`` text names a JSON file when such a file exists or it ends in ``.json``; otherwise text with ``=`` or
+  ``:`` is read as NAME=VALUE pairs (``F:1`` is refused with the right syntax, not as a missing file).
 """
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Mapping, Sequence
+import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from pipec.errors import PipecInputError
 from pipec.ir import Kind
@@ -96,6 +100,20 @@ class Costs:
 DEFAULT_COSTS = Costs()
 
 
+def time_units(amount: float) -> str:
+    """``amount`` with its unit, for printed text: 1 time unit, 0.5 time units."""
+    return f"{amount:g} time unit" + ("" if amount == 1 else "s")
+
+
+# Every number a cost model takes is finite and within [MIN_AMOUNT, MAX_AMOUNT], or 0: sums of up to 10^7 ops stay
+# far from overflow, and the pictures' scales (makespan / shortest op, pixels per time unit) stay finite. A value
+# outside (inf, nan, 1e308, 5e-324) is a typo or a unit mix-up, refused with its key named.
+MIN_AMOUNT = 1e-12
+MAX_AMOUNT = 1e15
+COST_FILE_BYTES = 16 << 20  # a cost JSON file; per-stage lists of a million stages fit in a few MB
+_DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]{1,3})?")  # ASCII; float() takes '٣', '1_0'
+
+
 def parse_costs(spec: str | Mapping | None) -> Costs:
     """Costs from ``F=1,B=2,W=1,comm=0`` text, a path to a JSON file, or a mapping of the same keys."""
     if spec is None:
@@ -103,33 +121,51 @@ def parse_costs(spec: str | Mapping | None) -> Costs:
     if isinstance(spec, Mapping):
         return _from_mapping(spec, "costs")
     text = spec.strip()
-    if text.endswith(".json") or (text and "=" not in text):
-        path = Path(text)
-        try:
-            data = json.loads(path.read_text())
-        except OSError as e:
-            raise PipecInputError(f"cannot read cost file {text}: {e.strerror or e}") from None
-        except json.JSONDecodeError as e:
-            raise PipecInputError(f"{text}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from None
-        if not isinstance(data, dict):
-            raise PipecInputError(f'{text}: expected a JSON object of costs such as {{"F": 1, "B": 2}}')
-        return _from_mapping(data, text)
-    values: dict[str, float] = {}
+    # A file when one exists (any name) or the name says JSON; else NAME=VALUE text, `F:1` included: a missing
+    # file named `F:1,B:2` would only hide the syntax slip behind "cannot read".
+    if text.endswith(".json") or os.path.isfile(text):
+        return _from_mapping(_read_json(text), text)
+    if text and "=" not in text and ":" not in text:
+        raise PipecInputError(
+            f"--cost {_shown(text)}: no such cost file; give NAME=VALUE pairs such as F=1,B=2 or the path of a "
+            "JSON cost file"
+        )
+    values: dict[str, object] = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         name, sep, value = item.partition("=")
         name = name.strip()
         if not sep:
-            raise PipecInputError(f"--cost: expected NAME=VALUE, got {item!r}")
+            key, colon, number = item.partition(":")
+            hint = f"; write {key.strip()[:40]}={number.strip()[:40]}" if colon else ""
+            raise PipecInputError(f"--cost: expected NAME=VALUE pairs such as F=1,B=2, got {item[:40]!r}{hint}")
         if name in values:
-            raise PipecInputError(f"--cost: {name} is given twice")
-        values[name] = _number(name, value.strip(), "--cost")
+            raise PipecInputError(f"--cost: {name[:40]} is given twice")
+        value = value.strip()
+        if not _DECIMAL.fullmatch(value):
+            shown = value if len(value) <= 40 else value[:37] + "..."
+            raise PipecInputError(f"--cost: {name[:40]} must be a finite decimal number such as 1.5, got {shown!r}")
+        values[name] = float(value)  # checked for range with the JSON file's values, by key
     return _from_mapping(values, "--cost")
 
 
+def _read_json(path: str) -> dict:
+    """A cost file's object: UTF-8 JSON of bounded size and depth, or a PipecInputError naming the file."""
+    # a regular file, size-capped, UTF-8 checked (errors name line and column)
+    from pipec.library import parse_json, read_text
+
+    data = parse_json(read_text(path, COST_FILE_BYTES), path, "a cost file")
+    if not isinstance(data, dict):
+        raise PipecInputError(f'{path}: expected a JSON object of costs such as {{"F": 1, "B": 2}}')
+    return data
+
+
 def _from_mapping(data: Mapping, where: str) -> Costs:
-    unknown = sorted(set(data) - set(_KEYS))
-    if unknown:
-        raise PipecInputError(f"{where}: unknown cost {unknown[0]!r}; expected one of {', '.join(_KEYS)}")
+    unknown = next((key for key in data if key not in _KEYS), None)  # the first one given, in the order given
+    if unknown is not None:
+        shown = repr(unknown) if len(repr(unknown)) <= 40 else repr(unknown)[:37] + "..."
+        same = next((k for k in _KEYS if isinstance(unknown, str) and k.lower() == unknown.lower()), None)
+        hint = f" (names are case-sensitive: did you mean {same}?)" if same else ""
+        raise PipecInputError(f"{where}: unknown cost {shown}{hint}; expected one of {', '.join(_KEYS)}")
     fields: dict[str, object] = {}
     for name in _COMPUTE:
         if name in data:
@@ -139,12 +175,12 @@ def _from_mapping(data: Mapping, where: str) -> Costs:
             fields[name] = _number(name, data[name], where)
     if "scale" in data:
         scale = _value("scale", data["scale"], where)
-        fields["scale"] = scale if isinstance(scale, tuple) else None
         if not isinstance(scale, tuple):
             raise PipecInputError(f"{where}: 'scale' must be a list with one factor per stage")
+        fields["scale"] = scale
     if "activation" in data:
         fields["activation"] = _value("activation", data["activation"], where)
-    if fields.get("input_fraction", 0.0) > 1:
+    if fields.get("input_fraction", 0.0) > 1:  # type: ignore[operator]
         raise PipecInputError(f"{where}: input_fraction must be between 0 and 1")
     _derive_backward(fields, where)
     if fields.get("bandwidth", 1.0) == 0:
@@ -157,60 +193,112 @@ def _from_mapping(data: Mapping, where: str) -> Costs:
 
 
 def _derive_backward(fields: dict[str, object], where: str) -> None:
-    """Fill the one of B, I, W that follows from the others (B = I + W); defaults F=1, B=2, W=1."""
+    """Fill the one of B, I, W that follows from the others (B = I + W); defaults F=1, B=2, W=1. A combination
+    that cannot hold is refused with its numbers (and which of them are defaults)."""
     given = {k for k in ("B", "I", "W") if k in fields}
     if given == {"B", "I", "W"}:
-        if not _all_close(_add(fields["I"], fields["W"]), fields["B"]):
-            raise PipecInputError(f"{where}: B must equal I + W (B is the full backward)")
+        total = _add(fields["I"], fields["W"], "I", "W", where)
+        if not _all_close(total, fields["B"]):
+            i = _first_stage(total, fields["B"], lambda x, y: not math.isclose(x, y, abs_tol=1e-9))
+            at = "" if i is None else f" at stage {i}"
+            b, i_, w, sum_ = (_text(_at(x, i)) for x in (fields["B"], fields["I"], fields["W"], total))
+            raise PipecInputError(
+                f"{where}: B = {b} but I + W = {i_} + {w} = {sum_}{at}: B is the full backward, I and W its two "
+                "halves; give two of the three"
+            )
         return
     if "I" in given and "B" in given:
-        fields["W"] = _sub(fields["B"], fields["I"])
+        fields["W"] = _sub(fields["B"], fields["I"], "B", "I", where)
+        _refuse_negative(fields, "W", "B", "I", given, where)
     elif "I" in given:
-        fields["B"] = _add(fields["I"], fields.setdefault("W", DEFAULT_COSTS.W))
+        fields["B"] = _add(fields["I"], fields.setdefault("W", DEFAULT_COSTS.W), "I", "W", where)
     else:
         b = fields.setdefault("B", DEFAULT_COSTS.B)
         w = fields.setdefault("W", DEFAULT_COSTS.W)
-        fields["I"] = _sub(b, w)
-    for name in ("I", "W"):
-        value = fields[name]
-        if min(value if isinstance(value, tuple) else (value,)) < 0:  # type: ignore[arg-type]
-            raise PipecInputError(f"{where}: {name} = B - ... comes out negative; give B >= W (B is I + W)")
+        fields["I"] = _sub(b, w, "B", "W", where)
+        _refuse_negative(fields, "I", "B", "W", given, where)
+
+
+def _refuse_negative(fields: dict[str, object], derived: str, whole: str, part: str, given: set, where: str) -> None:
+    """``derived`` = ``whole`` - ``part`` came out negative somewhere: say where, with the numbers."""
+    if min(_as_tuple(fields[derived])) >= 0:
+        return
+    i = _first_stage(fields[derived], 0.0, lambda x, _: x < 0)
+    at = "" if i is None else f" at stage {i}"
+
+    def named(key: str) -> str:
+        return f"{key} = {_text(_at(fields[key], i))}" + ("" if key in given else " (the default)")
+
+    raise PipecInputError(
+        f"{where}: {named(part)} is larger than {named(whole)}{at}, so {derived} = {whole} - {part} would be "
+        f"{_text(_at(fields[derived], i))}; B is the full backward (I + W): give {whole} >= {part}, or give I and W "
+        "instead of B"
+    )
+
+
+def _as_tuple(value: object) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _at(value: object, i: int | None) -> float:
+    """Entry i of a per-stage list, or the number itself."""
+    return value[i] if isinstance(value, tuple) and i is not None else value  # type: ignore[return-value]
+
+
+def _first_stage(a: object, b: object, differs) -> int | None:
+    """The first stage where ``differs`` holds when either side is a per-stage list (None: both are numbers)."""
+    if not isinstance(a, tuple) and not isinstance(b, tuple):
+        return None
+    n = len(a) if isinstance(a, tuple) else len(b)  # type: ignore[arg-type]
+    return next((i for i in range(n) if differs(_at(a, i), _at(b, i))), None)
 
 
 def _number(name: str, value: object, where: str) -> float:
-    try:
-        number = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise PipecInputError(f"{where}: {name} must be a number, got {value!r}") from None
-    if math.isnan(number) or number < 0:
-        raise PipecInputError(f"{where}: {name} must be a non-negative number, got {value!r}")
+    """A finite amount in [MIN_AMOUNT, MAX_AMOUNT] or 0. JSON gives numbers only: a string, a boolean or a list
+    in a cost file is a mistake to name, not a value to convert."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise PipecInputError(f"{where}: {name} must be a number, got {shown}")
+    if isinstance(value, int) and abs(value) > MAX_AMOUNT:  # float() of a huge int would overflow
+        raise PipecInputError(f"{where}: {name} = {value:.3g} is over the limit of {MAX_AMOUNT:g}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise PipecInputError(f"{where}: {name} must be a finite number, got {number}")
+    if number < 0:
+        raise PipecInputError(f"{where}: {name} must not be negative, got {number:g}")
+    if number > MAX_AMOUNT:
+        raise PipecInputError(f"{where}: {name} = {number:g} is over the limit of {MAX_AMOUNT:g}")
+    if 0 < number < MIN_AMOUNT:
+        raise PipecInputError(f"{where}: {name} = {number:g} is below the smallest amount, {MIN_AMOUNT:g} (0 for none)")
     return number
 
 
 def _value(name: str, value: object, where: str) -> Value:
-    if isinstance(value, Sequence) and not isinstance(value, str):
+    if isinstance(value, list | tuple):
         if not value:
             raise PipecInputError(f"{where}: {name} is an empty list")
-        return tuple(_number(name, v, where) for v in value)
+        return tuple(_number(f"{name}[{i}]", v, where) for i, v in enumerate(value))
     return _number(name, value, where)
 
 
-def _add(a, b) -> Value:
-    return _zip(a, b, lambda x, y: x + y)
+def _add(a, b, name_a: str, name_b: str, where: str) -> Value:
+    return _zip(a, b, lambda x, y: x + y, name_a, name_b, where)
 
 
-def _sub(a, b) -> Value:
-    return _zip(a, b, lambda x, y: x - y)
+def _sub(a, b, name_a: str, name_b: str, where: str) -> Value:
+    return _zip(a, b, lambda x, y: x - y, name_a, name_b, where)
 
 
-def _zip(a, b, op) -> Value:
+def _zip(a, b, op, name_a: str, name_b: str, where: str) -> Value:
     if not isinstance(a, tuple) and not isinstance(b, tuple):
         return op(a, b)
     n = len(a) if isinstance(a, tuple) else len(b)
     a = a if isinstance(a, tuple) else (a,) * n
     b = b if isinstance(b, tuple) else (b,) * n
     if len(a) != len(b):
-        raise PipecInputError("per-stage cost lists have different lengths")
+        raise PipecInputError(
+            f"{where}: per-stage lists must have the same length: {name_a} has {len(a)} entries, {name_b} {len(b)}"
+        )
     return tuple(op(x, y) for x, y in zip(a, b, strict=True))
 
 
@@ -224,3 +312,7 @@ def _text(value: Value) -> str:
     if isinstance(value, tuple):
         return "[" + ",".join(f"{v:g}" for v in value) + "]"
     return f"{value:g}"
+
+
+def _shown(text: str) -> str:
+    return repr(text) if len(text) <= 40 else repr(text[:37] + "...")

@@ -17,7 +17,7 @@ Needs hypothesis (installed with pipec).
 from pipec.testing.assertions import ScheduleCheckError, assert_schedule_ok
 from pipec.testing.orders import broken_programs, mutated, naive_lowering, valid_programs
 from pipec.testing.space import ParamSpace
-from pipec.testing.strategies import as_compile_args, schedule_params
+from pipec.testing.strategies import as_compile_args, schedule_params, space_params
 
 __all__ = [
     "ParamSpace",
@@ -28,5 +28,6 @@ __all__ = [
     "mutated",
     "naive_lowering",
     "schedule_params",
+    "space_params",
     "valid_programs",
 ]

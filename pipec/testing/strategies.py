@@ -23,19 +23,26 @@ def schedule_params(
     max_ranks: int | None = None,
     max_microbatches: int | None = None,
     max_chunks: int | None = None,
+    fixed: Mapping[str, int] | None = None,
 ) -> st.SearchStrategy[dict[str, int]]:
     """Valid parameter sets of a schedule (bundled name, path or source text): {"P": .., "M": .., "V": .., ...}.
 
     Values come from the ranges the schedule declares (`P in 1 .. 9`), capped by the maxima, and satisfy its
-    `require` lines by construction (no filtering, no rejection storms). Shrinks towards small values.
+    `require` lines, `stages` and placement by construction (no filtering, no rejection storms); `fixed` holds
+    values not to draw (`{"V": 2}`). A schedule that never names a chunk is drawn at V = 1 only, a literal-list one
+    at the size its lists fix (see ParamSpace). Shrinks towards small values.
     """
     maxima: dict[str, int] = {}
     for key, value in (("P", max_ranks), ("M", max_microbatches), ("V", max_chunks)):
         if value is not None:
             maxima[key] = value
-    space = ParamSpace(_schedule_ast(schedule), maxima)
+    return space_params(ParamSpace(_schedule_ast(schedule), maxima, fixed))
+
+
+def space_params(space: ParamSpace) -> st.SearchStrategy[dict[str, int]]:
+    """The parameter sets of an existing ParamSpace, drawn one parameter at a time from its valid values."""
     if not space.valid_values({}):
-        raise ValueError(f"{space.schedule.name}: no valid parameters within {space.maxima}")
+        raise ValueError(f"{space.schedule.name}: no valid parameter set: {space.why_empty()}")
 
     @st.composite
     def draw_params(draw: st.DrawFn) -> dict[str, int]:

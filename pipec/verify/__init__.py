@@ -2,7 +2,7 @@
 
     structure   every (stage, micro-batch) computed exactly once, in range, on its stage's rank; sends/receives
                 pair up one to one and cover every edge between ranks          structure.check_structure
-    p2p order   (nccl model) each channel's k-th send and k-th receive name the same message
+    p2p order   (nccl, torch) each channel's k-th send and k-th receive name the same message
                                                                                 order.check_p2p_order
     deadlock    every rank's stream runs to its end under the p2p model         deadlock.check_deadlock
     memory      each rank's peak activations stay within the declared bound or --memory-limit
@@ -19,7 +19,16 @@ from dataclasses import dataclass
 
 from pipec.errors import PipecInputError, ScheduleError
 from pipec.ir import Program
-from pipec.verify.deadlock import MODELS, check_deadlock, execute
+from pipec.verify.deadlock import (
+    IN_ORDER,
+    MODELS,
+    batched,
+    check_deadlock,
+    run_compute_orders,
+    run_streams,
+    streams_finish,
+)
+from pipec.verify.diagnose import placed_by_pipec
 from pipec.verify.flat import flatten
 from pipec.verify.memory import DEFAULT_INPUT_FRACTION, check_memory, peak_activations, validate_memory_model
 from pipec.verify.order import check_p2p_order
@@ -38,7 +47,7 @@ class Verdict:
 
 @dataclass(frozen=True)
 class Report:
-    program: Program  # the program as checked (with send/recv inserted for the nccl model)
+    program: Program  # the program as checked (with send/recv inserted for the nccl and torch models)
     verdicts: tuple[Verdict, ...]
     peak_memory: tuple[float, ...]
     p2p: str = DEFAULT_P2P
@@ -74,7 +83,7 @@ class Report:
     def raise_if_failed(self) -> None:
         if not self.ok:
             failed = [v for v in self.verdicts if not v.ok]
-            raise ScheduleError("\n".join(f"{v.name}: {v.explanation}" for v in failed))
+            raise ScheduleError("\n".join(f"{v.name}: {v.explanation or v.note}" for v in failed))
 
 
 def verify(
@@ -84,7 +93,8 @@ def verify(
     input_fraction: float = DEFAULT_INPUT_FRACTION,
     stage_sizes: Sequence[float] | None = None,
 ) -> Report:
-    """Run the passes in order. A sound compute-only program is checked under nccl as insert_p2p_ops lowers it."""
+    """Run the passes in order. A sound compute-only program is checked under nccl or torch as insert_p2p_ops
+    lowers it (torch's runtime runs pipec's send/recv placement too: pipec.torch and --format torch-csv-comms)."""
     # The passes allocate millions of small tuples that form no cycles; the cyclic collector would scan them over
     # and over (the simulator measured it halving the speed at 800k instructions).
     enabled = gc.isenabled()
@@ -108,17 +118,25 @@ def _verify(
     if memory_limit is not None and memory_limit < 0:
         raise PipecInputError(f"the memory limit must not be negative, got {memory_limit:g}")
     sizes = validate_memory_model(program, input_fraction, stage_sizes)
-    flat = flatten(program, input_fraction, sizes)  # the int form every pass shares
+    flat = flatten(program, input_fraction, sizes, batched=batched(p2p))  # the int form every pass shares
     verdicts = [Verdict("structure", *_ok(check_structure(program, flat)))]
     if verdicts[0].ok:
-        if p2p == "nccl" and not program.has_comms:  # positions in the explanations are the lowered program's
+        lowered_here = p2p in IN_ORDER and not program.has_comms
+        if lowered_here:  # positions in the explanations are the lowered program's
             from pipec.passes.p2p import insert_p2p_ops
 
             program = insert_p2p_ops(program)
-            flat = flatten(program, input_fraction, sizes)
-        if p2p == "nccl":
-            verdicts.append(Verdict("p2p order", *_ok(check_p2p_order(program, flat))))
-        verdicts.append(Verdict("deadlock", *_ok(check_deadlock(program, p2p, flat)), note=f"({p2p} model)"))
+            flat = flatten(program, input_fraction, sizes, batched=batched(p2p))
+        deadlock = check_deadlock(program, p2p, flat, placed=True if lowered_here else None)
+        if p2p in IN_ORDER:
+            order = check_p2p_order(program, flat)
+            if order and deadlock and (lowered_here or placed_by_pipec(program)):
+                # reported under the deadlock, after its explanation: what to fix comes first
+                verdicts.append(Verdict("p2p order", False, note=_CONSEQUENCE_NOTE))
+                deadlock = [*deadlock, "", _CONSEQUENCE, *(f"  {line}" for line in order)]
+            else:
+                verdicts.append(Verdict("p2p order", *_ok(order)))
+        verdicts.append(Verdict("deadlock", *_ok(deadlock), note=f"({p2p} model)"))
     peaks = flat.peaks
     if verdicts[0].ok:
         verdicts.append(Verdict("memory", *_ok(check_memory(program, peaks, memory_limit, input_fraction, sizes))))
@@ -127,6 +145,14 @@ def _verify(
 
 def _ok(problems: list[str]) -> tuple[bool, str]:
     return (not problems, "\n".join(problems))
+
+
+_CONSEQUENCE_NOTE = "(only a consequence of the deadlock below)"
+_CONSEQUENCE = (
+    "p2p order mismatches that follow from this deadlock (pipec places sends and receives by timing the compute "
+    "orders; past the point where those cannot run it falls back to a placement that does not keep each channel "
+    "in order, so these go away once the deadlock is fixed):"
+)
 
 
 __all__ = [
@@ -138,7 +164,9 @@ __all__ = [
     "check_memory",
     "check_p2p_order",
     "check_structure",
-    "execute",
     "peak_activations",
+    "run_compute_orders",
+    "run_streams",
+    "streams_finish",
     "verify",
 ]

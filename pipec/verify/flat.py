@@ -8,6 +8,7 @@ the streams builds everything; the checks then stay linear in the number of inst
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from pipec.ir import Action, Kind, Program
@@ -43,7 +44,9 @@ def code_of(kind: Kind) -> int:
 class Flat:
     """Per rank, where each key first occurs, how often each occurs, the units, the channels, the memory peaks.
 
-    A unit is a compute instruction or a batch (a maximal run of send/recv instructions). `local` lists, for a
+    A unit is a compute instruction or a batch: a maximal run of send/recv instructions when `batched` (pipec's
+    runtime posts it with one batch_isend_irecv), else one send/recv instruction (torch's runtime posts each
+    action on its own; the p2p model's name selects, see verify.deadlock.batched). `local` lists, for a
     program with send/recv, every op whose input should come from its own rank (the compute before it, or the
     receive that brought it) but is not there before the op's unit starts: (rank, op index, needed keys). Those
     are the only waits on a rank's own ops; everything else a program with send/recv waits for is a message.
@@ -55,7 +58,7 @@ class Flat:
     mbs: int  # the key multiplier: above every micro-batch named, so keys never collide
     where: dict[int, tuple[int, int]]
     duplicates: dict[int, int]  # key -> count, only for keys seen more than once
-    misplaced: frozenset[int]  # ranks with an op whose stage is out of range or lives on another rank
+    misplaced: frozenset[int]  # ranks with an op whose stage is out of range or elsewhere, or whose mb is negative
     starts: tuple[tuple[int, ...], ...]  # per rank, the op index where each unit starts, plus len(stream)
     unit_of: tuple[list[int], ...]  # per rank, op index -> unit
     local: list[tuple[int, int, tuple[int, ...]]]
@@ -63,6 +66,10 @@ class Flat:
     channels: dict[tuple[int, int], tuple[list[tuple[int, int]], list[tuple[int, int]]]]
     peaks: tuple[float, ...]
     cache: dict = field(default_factory=dict, compare=False)
+    batched: bool = True  # how the units were cut (above)
+    # (rank, op index) of each overlapped pair that is not one forward and one backward of two micro-batches (the
+    # front end refuses those in a .pipe; a stream file may hold them): the structure check reports them
+    bad_pairs: tuple[tuple[int, int], ...] = ()
 
     @property
     def ops(self) -> tuple[list[tuple[int, int]], ...]:
@@ -92,6 +99,7 @@ def flatten(
     input_fraction: float = 0.5,
     stage_sizes: tuple[float, ...] | None = None,
     mbs: int | None = None,
+    batched: bool = True,
 ) -> Flat:
     """One pass over the streams. Keys use `mbs` = M unless some op names a micro-batch >= M (then a second pass)."""
     streams = program.streams
@@ -103,7 +111,6 @@ def flatten(
     where: dict[int, tuple[int, int]] = {}
     duplicates: dict[int, int] = {}
     misplaced: set[int] = set()
-    ranks = len(streams)
     all_starts: list[tuple[int, ...]] = []
     all_unit_of: list[list[int]] = []
     all_ops: list[list[tuple[int, int]]] = []
@@ -112,10 +119,14 @@ def flatten(
     channels: dict[tuple[int, int], tuple[list[tuple[int, int]], list[tuple[int, int]]]] = {}
     peaks: list[float] = []
     top_mb = 0
+    bad_pairs: list[tuple[int, int]] = []
+    forward = Kind.F
     code_by_value = _CODE_BY_VALUE
     for rank, stream in enumerate(streams):
-        sends: list[list[tuple[int, int]]] = [[] for _ in range(ranks)]  # by peer: a list index, not a dict
-        recvs: list[list[tuple[int, int]]] = [[] for _ in range(ranks)]
+        # by peer; a dict holding only the peers this rank talks to (a few), not a list of P: that made flatten
+        # quadratic in P (P = 10,000 ranks allocated 10^8 empty lists)
+        sends: defaultdict[int, list[tuple[int, int]]] = defaultdict(list)
+        recvs: defaultdict[int, list[tuple[int, int]]] = defaultdict(list)
         starts: list[int] = []
         unit_of: list[int] = []
         rank_ops: list[tuple[int, int]] = []  # Flat.ops, filled here rather than in a second pass
@@ -123,11 +134,17 @@ def flatten(
         in_batch = False
         live = peak = 0.0
         for index, instruction in enumerate(stream):
-            parts = (instruction,) if type(instruction) is Action else instruction.parts
+            if type(instruction) is Action:
+                parts: tuple[Action, ...] = (instruction,)
+            else:
+                parts = instruction.parts
+                first, second = parts
+                if (first.kind is forward) is (second.kind is forward) or first.mb == second.mb:
+                    bad_pairs.append((rank, index))
             is_comm = code_by_value[parts[0].kind._value_] >= SEND_F
             if not (is_comm and in_batch):
                 starts.append(index)
-            in_batch = is_comm
+            in_batch = is_comm and batched  # not batched: the next send/recv starts a unit of its own
             unit_start = starts[-1]
             unit_of.append(len(starts) - 1)
             for stage, kind, mb in parts:
@@ -141,7 +158,7 @@ def flatten(
                 else:
                     where[key] = (rank, index)
                 in_range = 0 <= stage <= last
-                if not in_range or placement[stage] != rank:
+                if not in_range or placement[stage] != rank or mb < 0:  # a negative mb: its key is another op's
                     misplaced.add(rank)
                 if code >= SEND_F:
                     comm_keys.append(key)
@@ -193,17 +210,18 @@ def flatten(
             if live > peak:  # live memory after the whole instruction, as memory_profile counts it
                 peak = live
         starts.append(len(stream))
-        for peer in range(ranks):
-            if sends[peer]:
+        for peer in sorted(sends.keys() | recvs.keys()):  # the order a loop over every peer would give
+            if peer in sends:
                 channels.setdefault((rank, peer), ([], []))[0].extend(sends[peer])
-            if recvs[peer]:
+            if peer in recvs:
                 channels.setdefault((peer, rank), ([], []))[1].extend(recvs[peer])
         all_starts.append(tuple(starts))
         all_unit_of.append(unit_of)
         peaks.append(0.0 if program.forward_only else peak)
     if top_mb >= mbs:  # keys would collide: start again with room for every micro-batch named
-        return flatten(program, input_fraction, stage_sizes, top_mb + 1)
+        return flatten(program, input_fraction, stage_sizes, top_mb + 1, batched)
     return Flat(
         program, mbs, where, duplicates, frozenset(misplaced), tuple(all_starts),
-        tuple(all_unit_of), local, comm_keys, channels, tuple(peaks), {"ops": tuple(all_ops)},
+        tuple(all_unit_of), local, comm_keys, channels, tuple(peaks), {"ops": tuple(all_ops)}, batched,
+        tuple(bad_pairs),
     )

@@ -9,7 +9,9 @@ of instructions (int keys from verify.flat).
 
 from __future__ import annotations
 
-from pipec.ir import Program
+from itertools import pairwise
+
+from pipec.ir import Action, Instruction, Kind, Program
 from pipec.verify.flat import RECV_B, RECV_F, SEND_B, SEND_F, B, F, Flat, I, W, flatten
 
 _MAX_REPORTED = 12
@@ -17,31 +19,146 @@ _MAX_REPORTED = 12
 
 def check_structure(program: Program, flat: Flat | None = None) -> list[str]:
     flat = flat or flatten(program)
-    problems: list[str] = []
+    found = _Found(program)
     placement, stages, mbs = program.stage_to_rank, program.num_stages, program.microbatches
     for rank in range(program.ranks):
         if rank not in flat.misplaced and flat.mbs <= mbs:
             continue
-        for index, key in flat.ops[rank]:
-            stage, _kind, mb = action = flat.decode(key)
+        # the actions as written, not decoded from their keys: a negative micro-batch's key is another op's
+        for index, action in _actions(program.streams[rank]):
+            stage, _kind, mb = action
             if not 0 <= stage < stages:
-                problems.append(f"rank {rank} op {index} {action}: stage {stage} is outside 0..{stages - 1}")
+                found.other.append(f"rank {rank} op {index} {action}: stage {stage} is outside 0..{stages - 1}")
             elif not 0 <= mb < mbs:
-                problems.append(f"rank {rank} op {index} {action}: micro-batch {mb} is outside 0..{mbs - 1}")
+                found.beyond.setdefault((stage, _class(action.kind)), []).append((rank, index, action))
             elif placement[stage] != rank:
-                problems.append(
+                found.other.append(
                     f"rank {rank} op {index} {action}: stage {stage} lives on rank {placement[stage]}, not {rank}"
                 )
     for key, n in flat.duplicates.items():
         rank, index = flat.where[key]
-        problems.append(f"{flat.decode(key)} appears {n} times (first on rank {rank} at op {index})")
-    if problems or not _complete_at_a_glance(program, flat):
-        problems.extend(_completeness(program, flat))
-    if program.has_comms and (problems or not _comms_at_a_glance(program, flat)):
-        problems.extend(_comms(program, flat))
-    if len(problems) > _MAX_REPORTED:
-        problems = [*problems[:_MAX_REPORTED], f"... and {len(problems) - _MAX_REPORTED} more problems"]
-    return problems
+        found.other.append(f"{flat.decode(key)} appears {n} times (first on rank {rank} at op {index})")
+    for rank, index in flat.bad_pairs:  # stream files: the front end refuses these pairs at compile time
+        pair = program.streams[rank][index]
+        found.other.append(f"rank {rank} op {index} {pair}: {_pair_problem(pair)}")
+    if found or not _complete_at_a_glance(program, flat):
+        _completeness(program, flat, found)
+    if program.has_comms and (found or not _comms_at_a_glance(program, flat)):
+        found.comms.extend(_comms(program, flat))
+    return found.render()
+
+
+def _pair_problem(pair: Instruction) -> str:
+    first, second = pair.parts
+    if (first.kind is Kind.F) == (second.kind is Kind.F):
+        return "an overlapped pair runs one forward (F) with one backward (B, I or W)"
+    return "the halves of an overlapped pair take two different micro-batches (a backward needs its forward)"
+
+
+_CLASS = {Kind.F: "forward", Kind.B: "backward", Kind.I: "backward", Kind.W: "weight gradient"}
+
+
+def _class(kind: Kind) -> str:
+    """What a structure problem is about: the forward, the backward (B or I) or the weight gradient of a pair, or
+    a message (send/recv)."""
+    return _CLASS.get(kind, "send/recv")
+
+
+class _Found:
+    """The problems found, grouped by cause so that the causes come first in the report: a stage that misses ops
+    and another stage of the same rank that runs those ops beyond the last micro-batch (an op emitted on the wrong
+    chunk), then the other missing ops, ops beyond the last micro-batch, per-op problems, and last the send/recv
+    problems, which in a compiled `.pipe` only follow from the compute ops' (pipec placed them)."""
+
+    def __init__(self, program: Program) -> None:
+        self.program = program
+        self.missing: dict[tuple[int, str], list[Action]] = {}  # (stage, class) -> missing ops
+        self.beyond: dict[tuple[int, str], list[tuple[int, int, Action]]] = {}  # -> (rank, index, op) outside 0..M-1
+        self.other: list[str] = []
+        self.comms: list[str] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.missing or self.beyond or self.other or self.comms)
+
+    def render(self) -> list[str]:
+        program, last_mb = self.program, self.program.microbatches - 1
+        placement, chunk_of = program.stage_to_rank, program.stage_chunks()
+        lines: list[str] = []
+        missing, beyond = dict(self.missing), dict(self.beyond)
+        # a rank's stage missing ops of a class while another stage of that rank runs that class beyond M - 1
+        for (stage, what), ops in sorted(self.missing.items(), key=lambda item: (placement[item[0][0]], item[0])):
+            rank = placement[stage]
+            extra = next(
+                (key for key in beyond if key[1] == what and key[0] != stage and placement[key[0]] == rank), None
+            )
+            if extra is None or what == "send/recv":
+                continue
+            beyond_ops = beyond.pop(extra)
+            del missing[(stage, what)]
+            lines.append(
+                f"rank {rank}: stage {stage} (its chunk {chunk_of[stage]}) never runs {_ops(ops)}, while stage "
+                f"{extra[0]} (its chunk {chunk_of[extra[0]]}) runs {_ops([a for _, _, a in beyond_ops])}, beyond "
+                f"micro-batch {last_mb}: {_plural(len(beyond_ops), what)} of chunk {chunk_of[stage]} emitted on "
+                f"chunk {chunk_of[extra[0]]}?"
+            )
+        for (stage, what), ops in sorted(missing.items(), key=lambda item: (-len(item[1]), item[0])):
+            lines.append(self._missing_text(stage, what, ops))
+        comm_beyond = [found for key, group in sorted(beyond.items()) if key[1] == "send/recv" for found in group]
+        for (stage, what), group in sorted(beyond.items(), key=lambda item: item[1][0][:2]):  # stream order
+            if what == "send/recv":
+                continue
+            if len(group) == 1:
+                rank, index, action = group[0]
+                lines.append(f"rank {rank} op {index} {action}: micro-batch {action.mb} is outside 0..{last_mb}")
+            else:
+                rank, index, _ = group[0]
+                lines.append(
+                    f"stage {stage} (rank {placement[stage]}) runs {_ops([a for _, _, a in group])}, micro-batches "
+                    f"outside 0..{last_mb} (the first at rank {rank} op {index})"
+                )
+        lines.extend(self.other)
+        if len(comm_beyond) == 1:
+            rank, index, action = comm_beyond[0]
+            lines.append(f"rank {rank} op {index} {action}: micro-batch {action.mb} is outside 0..{last_mb}")
+        elif comm_beyond:
+            lines.append(
+                f"{len(comm_beyond)} send/recv ops name micro-batches outside 0..{last_mb}: "
+                f"{_ops([a for _, _, a in comm_beyond])}"
+            )
+        lines.extend(self.comms)
+        if len(lines) > _MAX_REPORTED:
+            lines = [*lines[:_MAX_REPORTED], f"... and {len(lines) - _MAX_REPORTED} more problems"]
+        return lines
+
+    def _missing_text(self, stage: int, what: str, ops: list[Action]) -> str:
+        rank, mbs = self.program.stage_to_rank[stage], self.program.microbatches
+        if len(ops) == 1:
+            (op,) = ops
+            if what == "weight gradient":
+                return f"{op} is missing: the weight gradient of stage {stage}, micro-batch {op.mb} is never computed"
+            return f"{op} is missing: stage {stage} never runs the {what} of micro-batch {op.mb}"
+        if len(ops) == mbs:
+            return f"stage {stage} (rank {rank}) never runs a {what}: {_ops(ops)} are all missing"
+        return f"stage {stage} (rank {rank}) never runs the {what} of {len(ops)} micro-batches: {_ops(ops)} are missing"
+
+
+_LISTED = 4  # ops named in one grouped line
+
+
+def _ops(ops: list[Action]) -> str:
+    """A few ops by name: `7F0..7F7` for a run of consecutive micro-batches, else the first ones and a count."""
+    if len(ops) > 2 and all(b.mb == a.mb + 1 and b[:2] == a[:2] for a, b in pairwise(ops)):
+        return f"{ops[0]}..{ops[-1]}"
+    shown = ", ".join(map(str, ops[:_LISTED]))
+    return shown if len(ops) <= _LISTED else f"{shown} and {len(ops) - _LISTED} more"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _actions(stream: tuple[Instruction, ...]) -> list[tuple[int, Action]]:
+    return [(index, action) for index, instruction in enumerate(stream) for action in instruction.parts]
 
 
 def _complete_at_a_glance(program: Program, flat: Flat) -> bool:
@@ -61,40 +178,33 @@ def _complete_at_a_glance(program: Program, flat: Flat) -> bool:
     return all(where[(pair << 3) + I] < where[(pair << 3) + W] for pair in inputs)
 
 
-def _completeness(program: Program, flat: Flat) -> list[str]:
-    out: list[str] = []
+def _completeness(program: Program, flat: Flat, found: _Found) -> None:
     where, key, name = flat.where, flat.key, flat.decode
+    missing = found.missing
     for stage in range(program.num_stages):
         for mb in range(program.microbatches):
             f, b, i, w = (key(stage, code, mb) for code in (F, B, I, W))
             if f not in where:
-                out.append(f"{name(f)} is missing: stage {stage} never runs the forward of micro-batch {mb}")
+                missing.setdefault((stage, "forward"), []).append(name(f))
             if program.forward_only:
                 extra = [k for k in (b, i, w) if k in where]
                 if extra:
-                    out.append(f"{name(extra[0])}: a forward-only schedule runs no backward")
+                    found.other.append(f"{name(extra[0])}: a forward-only schedule runs no backward")
                 continue
             has_b, has_i, has_w = b in where, i in where, w in where
             if has_b and (has_i or has_w):
-                out.append(
+                found.other.append(
                     f"stage {stage}, micro-batch {mb} has both a full backward {name(b)} and a split one "
                     f"({name(i)}/{name(w)})"
                 )
             elif not has_b:
                 if not has_i:
-                    out.append(
-                        f"{name(w if has_w else b)} is missing: stage {stage} never runs the backward of "
-                        f"micro-batch {mb}"
-                    )
+                    missing.setdefault((stage, "backward"), []).append(name(w if has_w else b))
                 if has_i and not has_w:
-                    out.append(
-                        f"{name(w)} is missing: the weight gradient of stage {stage}, micro-batch {mb} is never "
-                        "computed"
-                    )
+                    missing.setdefault((stage, "weight gradient"), []).append(name(w))
                 if has_i and has_w and where[w] < where[i]:
                     rank, index = where[w]
-                    out.append(f"rank {rank} op {index} {name(w)} runs before its {name(i)} (op {where[i][1]})")
-    return out
+                    found.other.append(f"rank {rank} op {index} {name(w)} runs before its {name(i)} (op {where[i][1]})")
 
 
 def _comms_at_a_glance(program: Program, flat: Flat) -> bool:

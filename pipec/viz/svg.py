@@ -129,8 +129,10 @@ def _arrows(result, scale: float) -> str:
 def _axis(makespan: float, scale: float, y: float) -> list[str]:
     step = _nice_step(makespan / 10)
     out = [f'<line x1="{_LEFT}" y1="{y}" x2="{_LEFT + makespan * scale:.1f}" y2="{y}" stroke="#888"/>']
-    t = 0.0
-    while t <= makespan + 1e-9:
+    # ticks up to the makespan, rounding forgiven relative to the step: an absolute slack (1e-9) would draw
+    # thousands of ticks past a makespan of 1e-12
+    t, end = 0.0, makespan + step * 1e-6
+    while t <= end:
         x = _LEFT + t * scale
         out.append(f'<line x1="{x:.1f}" y1="{y}" x2="{x:.1f}" y2="{y + 4}" stroke="#888"/>')
         out.append(f'<text x="{x:.1f}" y="{y + 15}" font-size="10" text-anchor="middle" fill="#555">{t:g}</text>')

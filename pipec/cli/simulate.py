@@ -1,23 +1,33 @@
-"""`pipec simulate`: run a schedule through the cost model and print makespan, bubble, busy/idle and memory."""
+"""`pipec simulate`: run a schedule through the cost model; print makespan, bubble, busy/idle and memory."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
+from pipec.cli.common import params, schedule_args, write
 from pipec.sim.costs import DEFAULT_COSTS
+
+HELP = "simulate a schedule with a cost model: makespan, bubble, memory"
+EXAMPLES = """examples:
+  pipec simulate zb_h1 -P 4 -M 8 --cost F=1,B=2,W=1
+  pipec simulate zbv -P 4 -M 8 -V 2 --cost costs.json --why     # a JSON cost file; list the critical-path waits
+  pipec simulate 1f1b -P 4 -M 8 --p2p ideal --format json -o sim.json
+exit codes: 0 ok, 1 the schedule is invalid (it deadlocks or is incomplete), 2 bad input or usage
+"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    schedule_args(parser)
     add_model_arguments(parser)
-    parser.add_argument("--format", choices=("text", "json"), default="text")
+    parser.add_argument("--format", choices=("text", "json"), default="text", help="text (default) or json")
     parser.add_argument(
         "--why",
         action="store_true",
         help="also list the waits on the critical path that the compute order alone does not have (batch, fifo, "
-        "post; nccl model): which rank waits for which batch",
+        "post; nccl and torch models): which rank waits for which batch",
     )
-    parser.add_argument("-o", "--output", metavar="PATH", help="write here instead of standard output")
+    parser.add_argument("-o", "--output", metavar="PATH", help="write here (atomically) instead of standard output")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,27 +40,28 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--p2p",
-        choices=("nccl", "tagged", "ideal"),
+        choices=("nccl", "tagged", "torch", "ideal"),
         default="nccl",
-        help="point-to-point model: nccl (in-order matching, the runtime's rule; default), tagged (buffered sends) "
+        help="point-to-point model: nccl (in-order matching, the runtime's rule; default), tagged (buffered sends), "
+        "torch (torch's _PipelineScheduleRuntime: nccl with each send/recv posted on its own) "
         "or ideal (compute order only, asynchronous messages: the papers' timeline)",
     )
 
 
 def run_simulation(args: argparse.Namespace, record: bool = False):
     """Compile the schedule named by the common arguments and simulate it (shared with `pipec viz`)."""
-    from pipec.cli import _params
     from pipec.compiler import compile_program
     from pipec.sim.costs import parse_costs
     from pipec.sim.simulate import simulate
 
     costs = parse_costs(args.cost)
-    program = compile_program(args.schedule, args.ranks, args.microbatches, args.chunks, _params(args))
+    program = compile_program(args.schedule, args.ranks, args.microbatches, args.chunks, params(args))
     return simulate(program, costs, record=record, p2p=args.p2p)
 
 
-def main(args: argparse.Namespace) -> int:
-    from pipec.cli import _write
+def run(args: argparse.Namespace) -> int:
+    from pipec.sim.costs import time_units
+    from pipec.sim.report import render_text
 
     why = getattr(args, "why", False)
     result = run_simulation(args, record=why)
@@ -64,28 +75,14 @@ def main(args: argparse.Namespace) -> int:
         data["p2p"] = args.p2p
         if why:
             data["critical_waits"] = [w._asdict() for w in waits]
-        _write(json.dumps(data, indent=2) + "\n", args.output)
+        write(json.dumps(data, indent=2) + "\n", args.output)
     else:
         text = render_text(result, args.p2p)
         if why:
             total = sum(w.until - w.time for w in waits)
-            text += f"waits on the critical path: {len(waits)}, {total:g} time units\n"
+            text += f"waits on the critical path: {len(waits)}, {time_units(total)}\n"
             text += "".join(f"  {w.kind:<5} {w.text}\n" for w in waits)
-        _write(text, args.output)
+        write(text, args.output)
     return 0
 
 
-def render_text(result, p2p: str = "nccl") -> str:
-    p = result.program
-    lines = [
-        f"{p.name}: P={p.ranks} M={p.microbatches} V={p.chunks}, costs {result.costs.describe()}, p2p {p2p}",
-        f"makespan {result.makespan:g}   ideal {result.ideal:g}   efficiency {result.efficiency:.1%}   "
-        f"bubble {result.bubble_fraction:.1%}",
-        "rank      busy      idle      comm  span_idle  peak_memory",
-    ]
-    for r in range(p.ranks):
-        lines.append(
-            f"{r:>4} {result.busy[r]:>9g} {result.idle[r]:>9g} {result.comm[r]:>9g} {result.span_idle[r]:>10g} "
-            f"{result.peak_memory[r]:>12g}"
-        )
-    return "\n".join(lines) + "\n"

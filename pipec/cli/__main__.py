@@ -1,0 +1,3 @@
+from pipec.cli import entry_point
+
+entry_point()

@@ -1,0 +1,172 @@
+"""What every command shares: strict numbers, the SCHEDULE arguments, verification options, writing outputs."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+
+from pipec.errors import PipecInputError
+from pipec.outputs import write_text
+
+EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+EXIT_CODES = "exit codes: 0 ok, 1 the schedule is invalid, 2 bad input or usage"
+
+
+# Numbers on the command line: ASCII digits only (int() and float() also take '٤', '1_000' and ' 4 '), a bounded
+# length (int() of a 5,000-digit string raises deep inside Python), and finite amounts.
+_INTEGER = re.compile(r"[+-]?[0-9]{1,18}")
+_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]{1,3})?")
+
+
+def integer(text: str) -> int:
+    """An argparse type: a decimal integer of at most 18 digits."""
+    if not _INTEGER.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected an integer (ASCII digits, at most 18), got {text!r}")
+    return int(text)
+
+
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def number(text: str) -> float:
+    """An argparse type: a finite decimal number (no inf, nan or overflow)."""
+    if not _NUMBER.fullmatch(text) or not math.isfinite(float(text)):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return float(text)
+
+
+def amount(text: str) -> float:
+    value = number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
+    return value
+
+
+def assignment(text: str) -> tuple[str, int]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        return name.strip(), integer(value.strip())
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{name.strip()}: expected an integer value, got {value!r}") from None
+
+
+def schedule_args(parser: argparse.ArgumentParser) -> None:
+    """SCHEDULE and the sizes: P, M, V and named parameters (a .pipe file may give defaults; a stream file fixes
+    them, and a flag that disagrees with it is an error)."""
+    parser.add_argument(
+        "schedule", metavar="SCHEDULE", help="a bundled name (pipec list), a .pipe file or a .csv/.txt/.json stream"
+    )
+    sizes = parser.add_argument_group("sizes", "needed unless the schedule gives a default or the stream file fixes it")
+    sizes.add_argument("--ranks", "-P", type=positive, metavar="P", help="pipeline ranks")
+    sizes.add_argument("--microbatches", "-M", type=positive, metavar="M", help="micro-batches per step")
+    sizes.add_argument(
+        "--chunks", "-V", type=positive, metavar="V", help="stages per rank (default: the schedule's, see pipec list)"
+    )
+    sizes.add_argument(
+        "--set", action="append", type=assignment, default=[], metavar="NAME=VALUE", help="a named parameter"
+    )
+
+
+def verify_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--p2p",
+        choices=("nccl", "tagged", "torch"),
+        default="nccl",
+        help="point-to-point model: nccl (pipec's runtime; default), tagged (buffered sends) or torch (torch's "
+        "_PipelineScheduleRuntime: each send/recv posted on its own); --format torch-csv-comms is checked under torch",
+    )
+    parser.add_argument(
+        "--memory-limit", type=amount, metavar="N", help="activation units a rank may hold (default: declared bound)"
+    )
+    parser.add_argument(
+        "--input-fraction",
+        type=amount,
+        default=0.5,
+        metavar="X",
+        help="share of a micro-batch's activations that I frees; W frees the rest (default 0.5)",
+    )
+    parser.add_argument(
+        "--stage-sizes", type=sizes, metavar="A,B,...", help="activation units of a micro-batch, per stage (default 1)"
+    )
+
+
+def sizes(text: str) -> tuple[float, ...]:
+    return tuple(amount(part.strip()) for part in text.split(","))
+
+
+def verify_options(args: argparse.Namespace) -> dict:
+    return {
+        "p2p": args.p2p,
+        "memory_limit": args.memory_limit,
+        "input_fraction": args.input_fraction,
+        "stage_sizes": args.stage_sizes,
+    }
+
+
+def params(args: argparse.Namespace) -> dict[str, int]:
+    params: dict[str, int] = {}
+    for name, value in args.set:
+        if name in params:
+            raise PipecInputError(f"--set {name} is given twice")
+        params[name] = value
+    return params
+
+
+def write(text: str, output: str | None) -> None:
+    """Print to standard output, or write the file atomically (pipec.outputs)."""
+    if output is None:
+        if sys.stdout is None:
+            raise PipecInputError("standard output is closed; give -o FILE")
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            silence_stdout()
+            raise PipecInputError(f"cannot write to standard output: {e.strerror or e}") from None
+        return
+    write_text(output, text)
+
+
+def say_error(text: str) -> None:
+    if sys.stderr is not None:
+        try:
+            print(text, file=sys.stderr, flush=True)
+        except OSError:
+            pass  # stderr itself is gone; the exit code still tells
+
+
+def flush_stdout() -> None:
+    if sys.stdout is None:
+        return
+    try:
+        sys.stdout.flush()
+    except OSError as e:
+        silence_stdout()
+        if isinstance(e, BrokenPipeError):
+            return
+        raise PipecInputError(f"cannot write to standard output: {e.strerror or e}") from None
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null so that Python's own flush at exit does not fail a second time."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, AttributeError, ValueError):
+        pass
+
+

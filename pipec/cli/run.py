@@ -1,0 +1,146 @@
+"""`pipec run SCHEDULE --ranks P ... --model MODULE:FACTORY`: compile, verify, then train on torch.distributed
+(pipec.runtime.start).
+
+Started directly, it spawns P x D local worker processes (D = --dp, default 1; gloo on CPU, NCCL when CUDA is
+available). Started by torchrun (RANK and WORLD_SIZE set), this process is one worker:
+`torchrun --nproc-per-node 4 -m pipec.run ...`. torch is imported only once the schedule has been compiled and
+verified.
+
+Everything that can be checked without a process group is checked before any worker starts, in both cases, and
+ends in exit 2 with a message: the numbers (--seed, --timeout, --steps, --dp, --checkpoint-every), the world
+size under torchrun (P x D), the outputs (--save, --report, --trace: not an input, not each other, in a
+writable directory), the workload and the checkpoints to resume from (see `worker.validate`).
+Exit codes: 0 ok, 1 invalid schedule, 2 bad input, 3 the run failed after its workers started (a rank failed,
+a NaN or inf, an output that could not be written), 130/143 interrupted by SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+
+from pipec.cli.common import EXIT_INVALID, EXIT_OK, params, positive, schedule_args
+from pipec.errors import PipecInputError
+from pipec.runtime.workload import SEED_MAX
+
+HELP = "train a model with the schedule on torch.distributed"
+EXAMPLES = """examples:
+  pipec run 1f1b -P 4 -M 8 --model examples.workload:mlp --steps 3
+  pipec run zbv -P 2 -M 8 -V 2 --dp 2 --model examples.workload:mlp --save weights.pt --report run.json
+  pipec run 1f1b -P 2 -M 4 --model my_model.py:build --checkpoint ckpt --checkpoint-every 100
+  pipec run 1f1b -P 2 -M 4 --model my_model.py:build --checkpoint ckpt --resume ckpt
+  torchrun --nproc-per-node 4 -m pipec.run 1f1b -P 4 -M 8 --model examples.workload:mlp
+exit codes: 0 ok, 1 the schedule is invalid, 2 bad input or usage (checked before any worker starts), 3 the run
+failed after its workers started, 130/143 interrupted by SIGINT/SIGTERM
+"""
+TIMEOUT_MIN_S, TIMEOUT_MAX_S = 0.1, 86400.0  # a p2p wait: from a tenth of a second to a day
+
+
+def seed(text: str) -> int:
+    """An argparse type: an integer from 0 to 2**64-1 (what torch.manual_seed accepts)."""
+    if not re.fullmatch(r"[0-9]{1,20}", text) or int(text) > SEED_MAX:
+        raise argparse.ArgumentTypeError(f"expected an integer from 0 to 2**64-1 ({SEED_MAX}), got {text!r}")
+    return int(text)
+
+
+def timeout(text: str) -> float:
+    """An argparse type: seconds, finite, within [TIMEOUT_MIN_S, TIMEOUT_MAX_S] (nan, inf and 1e30 would be
+    accepted by float() and then fail inside every worker)."""
+    try:
+        value = float(text) if re.fullmatch(r"[0-9.eE+-]{1,32}", text) else math.nan
+    except ValueError:
+        value = math.nan
+    if not TIMEOUT_MIN_S <= value <= TIMEOUT_MAX_S:  # also refuses nan
+        raise argparse.ArgumentTypeError(
+            f"expected seconds from {TIMEOUT_MIN_S:g} to {TIMEOUT_MAX_S:g} (one day), got {text!r}"
+        )
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    schedule_args(parser)
+    parser.add_argument("--model", required=True, metavar="MODULE:FACTORY", help="the workload (see docs/runtime.md)")
+    parser.add_argument(
+        "--dp", type=positive, default=1, metavar="D", help="D pipeline replicas, data parallel: P x D processes (1)"
+    )
+    parser.add_argument("--checkpoint", metavar="DIR", help="write checkpoints into DIR (see --checkpoint-every)")
+    parser.add_argument(
+        "--checkpoint-every",
+        type=positive,
+        metavar="K",
+        help="a checkpoint every K steps (default: only after the last step)",
+    )
+    parser.add_argument("--resume", metavar="DIR", help="continue from DIR's last complete checkpoint")
+    parser.add_argument("--steps", type=positive, metavar="N", help="training steps (default: one per batch)")
+    parser.add_argument("--seed", type=seed, default=0, metavar="S", help="seed for the model and data (default 0)")
+    parser.add_argument("--save", metavar="PATH", help="write the trained state_dict of the whole model (rank 0)")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
+    parser.add_argument(
+        "--partition", default="params", metavar="HOW", help="params (default), profile, or layer counts: 4,4,4,4"
+    )
+    parser.add_argument("--report", metavar="PATH", help="write step times, losses and per-rank statistics (JSON)")
+    parser.add_argument("--trace", metavar="PATH", help="write the measured timeline as a Chrome trace")
+    parser.add_argument(
+        "--timeout",
+        type=timeout,
+        default=30.0,
+        metavar="SECONDS",
+        help=f"a p2p wait gives up after this (30; {TIMEOUT_MIN_S:g} to {TIMEOUT_MAX_S:g})",
+    )
+    parser.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="train on when a loss or gradient is NaN or inf (default: stop the run, exit 3)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipec.runtime import launch
+
+    with launch.interruptible():  # SIGINT/SIGTERM: stop the workers, say where they were, exit 130/143
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pipec.compiler import compile_program
+    from pipec.outputs import check_outputs, input_paths
+    from pipec.runtime.workload import module_file
+    from pipec.verify import verify
+
+    # Before any work: an output must not replace the model's own source (pipec.cli checked the other inputs).
+    outputs = {"--save": args.save, "--report": args.report, "--trace": args.trace}
+    check_outputs(outputs, input_paths(args.schedule, module_file(args.model)))
+    if args.checkpoint_every is not None and not args.checkpoint:
+        raise PipecInputError("--checkpoint-every needs --checkpoint DIR (where to write them)")
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    program = compile_program(args.schedule, args.ranks, args.microbatches, args.chunks, params(args))
+    # The runtime issues p2p ops in the order the nccl model assumes; refuse what that model cannot prove.
+    report = verify(program, p2p="nccl")
+    if not report.ok:
+        print(report.render(), file=sys.stderr)
+        return EXIT_INVALID
+
+    from pipec.runtime.start import start
+    from pipec.runtime.worker import Options
+
+    options = Options(
+        model=args.model,
+        steps=args.steps,
+        seed=args.seed,
+        partition=args.partition,
+        save=args.save,
+        report=args.report,
+        trace=args.trace,
+        timeout_s=args.timeout,
+        allow_nonfinite=args.allow_nonfinite,
+        dp=args.dp,
+        checkpoint=args.checkpoint,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        job=os.environ.get("TORCHELASTIC_RUN_ID") if torchrun else None,
+    )
+    start(program, options, args.backend)
+    return EXIT_OK

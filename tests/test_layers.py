@@ -1,0 +1,152 @@
+"""The layering of docs/architecture.md, checked on the source: a module imports only its own layer and the layers
+below it, so that the IR can be read, tested and reused without the verifier, the simulator or torch.
+
+Every import statement counts, including those inside functions and under `if TYPE_CHECKING:`: a late import
+still ties the lower layer to the higher one (a cycle ir -> verify -> passes -> ir was one).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "pipec"
+
+# Lowest first. A module belongs to the longest prefix listed; it may import its own layer and those below. A new
+# module that matches only `pipec` lands in the top layer, so a lower module importing it fails until it is placed.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("pipec.errors", "pipec.frontend.limits", "pipec.gcpause", "pipec.outputs"),  # leaves every layer may use
+    ("pipec.ir",),
+    ("pipec.frontend", "pipec.passes", "pipec.library"),
+    ("pipec.verify", "pipec.emit"),
+    ("pipec.sim", "pipec.compiler"),  # the simulator runs the verifier's liveness and p2p engines
+    ("pipec.viz",),
+    ("pipec.testing", "pipec.runtime"),
+    ("pipec", "pipec.torch", "pipec.cli", "pipec.run", "pipec.__main__"),  # the API and the command line
+)
+TORCH_USERS = ("pipec.runtime", "pipec.torch")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> int:
+    best, level = -1, -1
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, level = len(prefix), index
+    assert level >= 0, f"{module} is not a pipec module"
+    return level
+
+
+def is_module(name: str) -> bool:
+    """Whether a dotted name is a pipec module or package (as opposed to a name defined in one)."""
+    path = PACKAGE.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def imports_in(source: str, module: str, is_package: bool = False) -> set[str]:
+    """The absolute names of the modules some source imports (relative imports resolved), anywhere in it."""
+    package = module if is_package else module.rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            target = node.module or ""
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            names.add(target)
+            # `from pipec import verify` imports the module pipec.verify, not only a name of pipec/__init__.py
+            names.update(f"{target}.{a.name}" for a in node.names if is_module(f"{target}.{a.name}"))
+    return names
+
+
+def imports_of(path: Path) -> set[str]:
+    return imports_in(path.read_text(encoding="utf-8"), module_name(path), path.name == "__init__.py")
+
+
+def upward(module: str, names: set[str]) -> list[str]:
+    """The pipec modules among `names` in a layer above `module`'s."""
+    level = layer_of(module)
+    return sorted(n for n in names if (n == "pipec" or n.startswith("pipec.")) and layer_of(n) > level)
+
+
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: module_name(p))
+def test_imports_stay_in_layer(path: Path) -> None:
+    module = module_name(path)
+    higher = upward(module, imports_of(path))
+    level = layer_of(module)
+    assert not higher, (
+        f"{module} (layer {level}: {', '.join(LAYERS[level])}) imports {', '.join(higher)} from a higher layer; "
+        "move the code that needs it up a layer (docs/architecture.md, 'Layers')"
+    )
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: module_name(p))
+def test_only_the_runtime_imports_torch(path: Path) -> None:
+    module = module_name(path)
+    if any(module == user or module.startswith(user + ".") for user in TORCH_USERS):
+        return
+    torch = sorted(name for name in imports_of(path) if name == "torch" or name.startswith("torch."))
+    assert not torch, f"{module} imports {', '.join(torch)}: only pipec/runtime and pipec/torch.py may"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: module_name(p))
+def test_only_the_command_line_knows_argparse(path: Path) -> None:
+    module = module_name(path)
+    if module == "pipec.cli" or module.startswith("pipec.cli."):
+        return
+    assert "argparse" not in imports_of(path), f"{module} imports argparse; parse arguments in pipec/cli/"
+
+
+def test_the_ir_does_not_reach_up() -> None:
+    """The cycle that motivated the rule: pipec/ir.py imports nothing of the verifier, not even in a function."""
+    names = imports_of(PACKAGE / "ir.py")
+    assert not [n for n in names if n.startswith(("pipec.verify", "pipec.passes", "pipec.sim"))], names
+    assert layer_of("pipec.ir") < layer_of("pipec.passes.p2p") < layer_of("pipec.verify.deadlock")
+
+
+@pytest.mark.parametrize(
+    "late_import",
+    ["from pipec.verify import verify", "import pipec.verify.memory", "from pipec import verify", "import torch"],
+)
+def test_the_layer_check_finds_an_upward_import_inside_a_function(late_import: str) -> None:
+    source = (PACKAGE / "ir.py").read_text(encoding="utf-8") + f"\n\ndef _late() -> None:\n    {late_import}\n"
+    names = imports_in(source, "pipec.ir")
+    assert upward("pipec.ir", names) or "torch" in names
+
+
+def test_import_pipec_loads_neither_the_verifier_nor_torch() -> None:
+    """`import pipec` and `pipec compile` stay fast; `program.check()` imports the verifier when called."""
+    code = (
+        "import sys, pipec\n"
+        "assert 'pipec.verify' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)\n"
+        "program = pipec.compile('1f1b', 4, 8)\n"
+        "assert program.check().ok and pipec.check(program, p2p='tagged').ok\n"
+        "assert 'pipec.verify' in sys.modules and 'torch' not in sys.modules\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_program_check_raises_on_an_invalid_program() -> None:
+    import pipec
+
+    program = pipec.load("1f1b", 2, 2)
+    broken = program.with_streams((program.streams[0][::-1], program.streams[1]), has_comms=False)
+    with pytest.raises(pipec.ScheduleError):
+        broken.check()
+    with pytest.raises(pipec.ScheduleError):
+        pipec.check(broken)

@@ -15,6 +15,7 @@ from pipec.errors import PipecError, PipecInputError, PipecSyntaxError, Schedule
 from pipec.ir import Action, Instruction, Kind, Overlap, Program, build_graph, parse_instruction
 
 if TYPE_CHECKING:
+    from pipec.sim.costs import Costs
     from pipec.verify import Report
 
 __version__ = "0.1.0"
@@ -27,12 +28,23 @@ def compile(
     chunks: int | None = None,
     *,
     comms: bool = True,
+    costs: Costs | str | None = None,
     **params: int,
 ) -> Program:
-    """Compile a schedule (bundled name, path, .pipe source text, torch CSV, text or JSON stream file)."""
+    """Compile a schedule (bundled name, path, .pipe source text, torch CSV, text or JSON stream file).
+
+    ``costs`` (a Costs, or ``--cost`` text such as ``"F=1,B=2,W=1,comm=0.5"`` or a JSON file's path) time where
+    the send/recv go, so that the streams run well under those costs; None (the default) places them for the
+    default costs.
+    """
     from pipec.compiler import compile_program
 
-    return compile_program(schedule, ranks, microbatches, chunks, params, comms=comms)
+    if costs is not None:  # the cost model is loaded only when costs are given (`import pipec` stays light)
+        from pipec.sim.costs import parse_costs
+
+        if isinstance(costs, str):
+            costs = parse_costs(costs)
+    return compile_program(schedule, ranks, microbatches, chunks, params, comms=comms, costs=costs)
 
 
 def load(

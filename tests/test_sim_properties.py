@@ -14,12 +14,15 @@ from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from strategies import broken_programs
+from hypothesis import strategies as st
+from strategies import broken_programs, valid_programs
 
 import pipec
+from pipec.compiler import place_p2p
 from pipec.errors import ScheduleError
-from pipec.ir import Action, Kind
-from pipec.sim import simulate
+from pipec.ir import Action, Kind, Program
+from pipec.passes.p2p import insert_p2p_ops
+from pipec.sim import Costs, parse_costs, simulate
 from pipec.verify import verify
 from pipec.verify.deadlock import IN_ORDER, MODELS
 
@@ -86,3 +89,59 @@ def test_a_gradient_sent_before_its_backward_is_a_deadlock() -> None:
     expected = r"rank 1 is stuck at op \d+ 1SEND_B0 .*: it sends stage 1's input gradient"
     with pytest.raises(ScheduleError, match=expected):
         simulate(program)
+
+
+# ---- send/recv placed for the user's costs (insert_p2p_ops(program, costs)) -----------------------------------
+
+COSTED = settings(
+    max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow], database=None
+)
+
+
+@st.composite
+def costed_programs(draw) -> tuple[Program, Costs]:
+    """A random valid compute-only program and random valid costs: numbers or per-stage lists, zeros included
+    (an op of length 0 must still sort before the sends it makes), comm > 0 with and without overlap."""
+    program = draw(valid_programs())
+    stages = program.num_stages
+    amount = st.sampled_from((0.0, 0.5, 1.0, 1.5, 3.0)) | st.floats(1e-3, 4.0)
+    value = amount | st.lists(amount, min_size=stages, max_size=stages).map(tuple)
+    f, i, w = draw(value), draw(value), draw(value)
+    b = tuple(x + y for x, y in zip(*(v if isinstance(v, tuple) else (v,) * stages for v in (i, w)), strict=True))
+    comm = draw(st.sampled_from((0.0, 0.5)) | st.floats(0.0, 2.0))
+    return program, Costs(F=f, B=b, I=i, W=w, comm=comm, overlap=draw(st.booleans()))
+
+
+@COSTED
+@given(costed_programs())
+def test_streams_placed_for_any_costs_are_accepted_and_run(case) -> None:
+    # The inequality "placed for c is never slower under c than placed for the defaults" does NOT hold in general
+    # (on 1500 random cases about 18% are slower under nccl, by up to a few units, comm = 0 included: a receive
+    # posted late by its busy rank holds the sender's NCCL stream, rule 4, which the replay does not model; 59% are
+    # faster). What holds, and is asserted: the placement keeps the compute orders, verify accepts it under every
+    # model, the simulator runs it to the end, and no placement beats the compute order's own (ideal) timeline.
+    program, costs = case
+    placed = insert_p2p_ops(program, costs)
+    assert placed.compute_streams() == program.compute_streams()
+    ideal = simulate(program, costs, p2p="ideal").makespan
+    for model in MODELS:
+        report = verify(placed, p2p=model)
+        assert report.ok, (model, costs, report.render())
+        assert simulate(placed, costs, p2p=model).makespan >= ideal - 1e-9
+    # what `pipec simulate --cost` and `compile --cost` use: the better of the two placements under nccl, so
+    # saying what the costs are never gives a slower schedule than the default placement
+    chosen = place_p2p(program, costs)
+    default = insert_p2p_ops(program)
+    assert chosen.streams in (placed.streams, default.streams)
+    assert simulate(chosen, costs, p2p="nccl").makespan <= simulate(default, costs, p2p="nccl").makespan + 1e-9
+
+
+def test_placing_for_the_costs_reaches_the_compute_order_where_the_default_placement_did_not() -> None:
+    # zb_h1 at F=2,I=2,W=1: placed for the defaults, rank 1 batches [1RECV_F4 1RECV_B2], whose data come at 19 and
+    # 20 under these costs (53 against 49); placed for these costs, nccl runs the compute order's timeline
+    costs = parse_costs("F=2,I=2,W=1")
+    default = simulate(pipec.compile("zb_h1", 4, 8), costs).makespan
+    placed = pipec.compile("zb_h1", 4, 8, costs=costs)
+    assert (default, simulate(placed, costs).makespan, simulate(placed, costs, p2p="ideal").makespan) == (53, 49, 49)
+    # and the default costs given explicitly place exactly as None does (the byte-identical fast path)
+    assert insert_p2p_ops(pipec.load("zbv", 4, 8, 2), parse_costs("F=1,B=2,W=1")) == pipec.compile("zbv", 4, 8, 2)

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from pipec.cli.common import EXIT_INVALID, EXIT_OK, params, schedule_args, verify_args, verify_options
+from pipec.cli.common import (
+    EXIT_INVALID,
+    EXIT_OK,
+    params,
+    placement_args,
+    placement_costs,
+    schedule_args,
+    verify_args,
+    verify_options,
+)
 
 HELP = "verify a schedule and print per-pass verdicts"
 EXAMPLES = """examples:
@@ -17,13 +26,17 @@ EXAMPLES = """examples:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     schedule_args(parser)
     verify_args(parser)
+    placement_args(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from pipec.compiler import compile_program
     from pipec.verify import verify
 
-    program = compile_program(args.schedule, args.ranks, args.microbatches, args.chunks, params(args))
+    costs = placement_costs(args)
+    program = compile_program(
+        args.schedule, args.ranks, args.microbatches, args.chunks, params(args), costs=costs
+    )
     report = verify(program, **verify_options(args))
     p = program
     print(f"{p.name}: P={p.ranks} M={p.microbatches} V={p.chunks}, {p.num_stages} stages, p2p model {args.p2p}")

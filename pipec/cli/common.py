@@ -101,6 +101,25 @@ def verify_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def placement_args(parser: argparse.ArgumentParser) -> None:
+    """--cost for `pipec compile` and `pipec check`: where the send/recv go (the emitted or checked streams)."""
+    parser.add_argument(
+        "--cost",
+        metavar="F=1,B=2,W=1,comm=0",
+        help="place send/recv for these costs (as pipec simulate --cost: NAME=VALUE pairs or a JSON file); "
+        "default F=1,B=2,W=1, messages free. A stream file that has send/recv keeps them",
+    )
+
+
+def placement_costs(args: argparse.Namespace):
+    """The Costs of --cost, or None for the default placement (without loading the cost model)."""
+    if getattr(args, "cost", None) is None:
+        return None
+    from pipec.sim.costs import parse_costs
+
+    return parse_costs(args.cost)
+
+
 def sizes(text: str) -> tuple[float, ...]:
     return tuple(amount(part.strip()) for part in text.split(","))
 

@@ -6,7 +6,17 @@ import argparse
 import sys
 from dataclasses import fields, is_dataclass
 
-from pipec.cli.common import EXIT_INVALID, EXIT_OK, params, schedule_args, verify_args, verify_options, write
+from pipec.cli.common import (
+    EXIT_INVALID,
+    EXIT_OK,
+    params,
+    placement_args,
+    placement_costs,
+    schedule_args,
+    verify_args,
+    verify_options,
+    write,
+)
 
 HELP = "compile a schedule to per-rank instruction streams"
 EXAMPLES = """examples:
@@ -20,6 +30,7 @@ EXAMPLES = """examples:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     schedule_args(parser)
     verify_args(parser)
+    placement_args(parser)
     parser.add_argument(
         "--format",
         choices=("text", "json", "torch-csv", "torch-csv-comms"),
@@ -47,7 +58,10 @@ def run(args: argparse.Namespace) -> int:
         program = compute_orders(args.schedule, args.ranks, args.microbatches, args.chunks, params(args))
         write(dump_text(program), args.output)
         return EXIT_OK
-    program = compile_program(args.schedule, args.ranks, args.microbatches, args.chunks, params(args))
+    costs = placement_costs(args)
+    program = compile_program(
+        args.schedule, args.ranks, args.microbatches, args.chunks, params(args), costs=costs
+    )
     if args.emit == "ir":
         write(dump_graph(program), args.output)
         return EXIT_OK

@@ -36,7 +36,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--cost",
         metavar="F=1,B=2,W=1,comm=0",
         help=f"durations: F, B (full backward), I, W, comm, latency, bandwidth, size, overlap; or a JSON file "
-        f"(per-stage lists allowed). Default {DEFAULT_COSTS.describe()}",
+        f"(per-stage lists allowed); send/recv are placed for them. Default {DEFAULT_COSTS.describe()}",
     )
     parser.add_argument(
         "--p2p",
@@ -55,7 +55,8 @@ def run_simulation(args: argparse.Namespace, record: bool = False):
     from pipec.sim.simulate import simulate
 
     costs = parse_costs(args.cost)
-    program = compile_program(args.schedule, args.ranks, args.microbatches, args.chunks, params(args))
+    # the send/recv are placed for the costs simulated (streams a file already holds stay as written)
+    program = compile_program(args.schedule, args.ranks, args.microbatches, args.chunks, params(args), costs=costs)
     return simulate(program, costs, record=record, p2p=args.p2p)
 
 

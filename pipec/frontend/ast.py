@@ -146,7 +146,30 @@ class If:
     span: Span
 
 
-Stmt = Emit | Assign | Drain | Pass | Repeat | For | While | If
+@dataclass(frozen=True, slots=True)
+class Break:
+    """`break`: leaves the innermost loop (the parser refuses it outside one)."""
+
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Continue:
+    """`continue`: ends this iteration of the innermost loop."""
+
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class CallBlock:
+    """`warmup(P - r - 1)`: runs a named block with these arguments, evaluated at the call."""
+
+    name: str
+    args: tuple[Expr, ...]
+    span: Span
+
+
+Stmt = Emit | Assign | Drain | Pass | Repeat | For | While | If | Break | Continue | CallBlock
 
 # ---- declarations ------------------------------------------------------------------------------
 
@@ -212,6 +235,16 @@ class RankList:
 
 
 @dataclass(frozen=True, slots=True)
+class Block:
+    """`block warmup(n): ...`: statements a program can call by name. Its variables are its own (private)."""
+
+    name: str
+    params: tuple[str, ...]
+    body: tuple[Stmt, ...]
+    span: Span  # the name, where a message about the block points
+
+
+@dataclass(frozen=True, slots=True)
 class Schedule:
     name: str
     description: str
@@ -227,3 +260,4 @@ class Schedule:
     body: tuple[Stmt, ...] | None
     rank_lists: tuple[RankList, ...]
     span: Span
+    blocks: tuple[Block, ...] = ()  # in source order; calls are checked by the parser (names, arity, no cycles)

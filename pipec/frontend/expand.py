@@ -207,6 +207,41 @@ def _bounded_exact(value: int | Fraction, span: Span) -> int | Fraction:
 # ---- expressions -------------------------------------------------------------------------------
 
 ExprFn = Callable[[_RankState], int]
+StmtFn = Callable[[_RankState], None]
+BlockFn = Callable[[_RankState, list[int]], None]  # a compiled block, run with its arguments' values
+
+
+class _Break(Exception):  # noqa: N818 - a control-flow signal, never an error
+    """Raised by `break`, caught by the innermost loop. Only loops whose body can break catch it, so other loops
+    keep their plain closures (and their speed)."""
+
+
+class _Continue(Exception):  # noqa: N818 - a control-flow signal, never an error
+    """Raised by `continue`, caught by the innermost loop."""
+
+
+def _raise_break(st: _RankState) -> None:
+    raise _Break  # a fresh instance each time: re-raising one instance would grow its traceback
+
+
+def _raise_continue(st: _RankState) -> None:
+    raise _Continue
+
+
+def _escapes(body: Iterable[ast.Stmt]) -> tuple[bool, bool]:
+    """Whether this loop body can break / continue its loop: a break or continue in it or in its ifs, not in a
+    nested loop (which catches its own) and not in a called block (the parser keeps those inside the block)."""
+    can_break = can_continue = False
+    for s in body:
+        if isinstance(s, ast.Break):
+            can_break = True
+        elif isinstance(s, ast.Continue):
+            can_continue = True
+        elif isinstance(s, ast.If):
+            for branch in (*(b for _, b in s.branches), s.otherwise):
+                b, c = _escapes(branch)
+                can_break, can_continue = can_break or b, can_continue or c
+    return can_break, can_continue
 
 _FUNCTIONS: dict[str, tuple[int, int, Callable[..., int]]] = {
     # name: (min args, max args, implementation)
@@ -227,8 +262,12 @@ class _Compiler:
         constants: Mapping[str, int] | None = None,
         chunks: int | None = None,
         record: bool = False,
+        blocks: Mapping[str, BlockFn] | None = None,
+        scope: str = "",
     ) -> None:
         self.known = set(known)
+        self.blocks = blocks or {}  # compiled blocks by name; the parser checked every call's name and arity
+        self.scope = scope  # said after "unknown name": what a block can see
         # record: every emitted op also appends the span of the text that emitted it to the rank's `spans`. Only
         # a deadlock's explanation asks for it (op_spans), so the ordinary closures stay as lean as before.
         self.record = record
@@ -285,7 +324,7 @@ class _Compiler:
         if isinstance(e, ast.Var):
             name, span = e.name, e.span
             if name not in self.known:
-                raise PipecSyntaxError(f"unknown name {name!r}", span)
+                raise PipecSyntaxError(f"unknown name {name!r}{self.scope}", span)
 
             def var(st: _RankState) -> int:
                 try:
@@ -503,35 +542,14 @@ class _Compiler:
 
                 return drain_recorded
             return drain
-        if isinstance(s, ast.Repeat):
-            count, body, span = self.expr(s.count), self.block(s.body), s.span
-
-            def repeat(st: _RankState) -> None:
-                for _ in range(count(st)):
-                    st.tick(span)
-                    body(st)
-
-            return repeat
-        if isinstance(s, ast.For):
-            name, start, stop, body, span = s.var, self.expr(s.start), self.expr(s.stop), self.block(s.body), s.span
-
-            def for_loop(st: _RankState) -> None:
-                variables = st.vars
-                for k in range(start(st), stop(st)):
-                    st.tick(span)
-                    variables[name] = k
-                    body(st)
-
-            return for_loop
-        if isinstance(s, ast.While):
-            test, body, span = self.expr(s.test), self.block(s.body), s.span
-
-            def while_loop(st: _RankState) -> None:
-                while test(st):
-                    st.tick(span)
-                    body(st)
-
-            return while_loop
+        if isinstance(s, (ast.Repeat, ast.For, ast.While)):
+            return self.loop(s)
+        if isinstance(s, ast.Break):
+            return _raise_break
+        if isinstance(s, ast.Continue):
+            return _raise_continue
+        if isinstance(s, ast.CallBlock):
+            return self.call(s)
         if isinstance(s, ast.If):
             branches = [(self.expr(test), self.block(body)) for test, body in s.branches]
             otherwise = self.block(s.otherwise) if s.otherwise else None
@@ -546,6 +564,74 @@ class _Compiler:
 
             return if_stmt
         raise AssertionError(f"unhandled statement {s!r}")  # pragma: no cover
+
+    def loop(self, s: ast.Repeat | ast.For | ast.While) -> StmtFn:
+        body, span = self.block(s.body), s.span
+        if any(_escapes(s.body)):
+            body = _catching(body)  # the body returns False on break; every tick is still taken, so budgets hold
+        if isinstance(s, ast.Repeat):
+            count = self.expr(s.count)
+
+            def repeat(st: _RankState) -> None:
+                for _ in range(count(st)):
+                    st.tick(span)
+                    body(st)
+
+            def repeat_breakable(st: _RankState) -> None:
+                for _ in range(count(st)):
+                    st.tick(span)
+                    if body(st) is False:
+                        return
+
+            return repeat_breakable if any(_escapes(s.body)) else repeat
+        if isinstance(s, ast.For):
+            name, start, stop = s.var, self.expr(s.start), self.expr(s.stop)
+
+            def for_loop(st: _RankState) -> None:
+                variables = st.vars
+                for k in range(start(st), stop(st)):
+                    st.tick(span)
+                    variables[name] = k
+                    body(st)
+
+            def for_breakable(st: _RankState) -> None:
+                variables = st.vars
+                for k in range(start(st), stop(st)):
+                    st.tick(span)
+                    variables[name] = k
+                    if body(st) is False:
+                        return
+
+            return for_breakable if any(_escapes(s.body)) else for_loop
+        test = self.expr(s.test)
+
+        def while_loop(st: _RankState) -> None:
+            while test(st):
+                st.tick(span)
+                body(st)
+
+        def while_breakable(st: _RankState) -> None:
+            while test(st):
+                st.tick(span)
+                if body(st) is False:
+                    return
+
+        return while_breakable if any(_escapes(s.body)) else while_loop
+
+    def call(self, s: ast.CallBlock) -> StmtFn:
+        run, args, span = self.blocks[s.name], [self.expr(a) for a in s.args], s.span
+
+        def call_block(st: _RankState) -> None:
+            # a tick per call: blocks that call blocks several times could otherwise emit exponentially many ops
+            # with no loop, so no tick, to stop them
+            st.tick(span)
+            values = [a(st) for a in args]
+            for value in values:
+                if not -MAX_VALUE <= value <= MAX_VALUE:  # an argument is an assignment to the block's parameter
+                    raise _too_big(value, span)
+            run(st, values)
+
+        return call_block
 
     def action(self, o: ast.OpRef) -> Callable[[_RankState], Action | None]:
         """A closure producing the op's Action (None for `W?` with nothing pending), updating counters."""
@@ -636,6 +722,22 @@ class _Compiler:
                 st.spans.append(span)
 
         return emit_pair
+
+
+def _catching(body: StmtFn) -> Callable[[_RankState], bool | None]:
+    """A loop body that stops a `break` (returning False: leave the loop) and a `continue` (returning None: go on
+    with the next iteration). try costs nothing in Python 3.11 until something is raised."""
+
+    def run(st: _RankState) -> bool | None:
+        try:
+            body(st)
+        except _Break:
+            return False
+        except _Continue:
+            return None
+        return None
+
+    return run
 
 
 def _same_microbatch_pair(a: Action, b: Action) -> str:
@@ -965,6 +1067,8 @@ def _run_programs(
     known = set(env) | {schedule.rank_var} | set(assigned)
     once = {name for name, count in assigned.items() if count == 1 and name not in env and name != schedule.rank_var}
     nodes = _count_nodes(schedule.body)
+    # blocks see no rank (only what is passed to them), and every rank holds V chunks: compiled once for all ranks
+    blocks = _compile_blocks(schedule, env, env["V"], budget, record)
     streams: list[list[Instruction]] = []
     spans: list[list[Span]] = []
     for rank, stages in enumerate(rank_stages):
@@ -974,7 +1078,7 @@ def _run_programs(
             constants = {
                 name: value for name, value in {**env, schedule.rank_var: rank}.items() if name not in assigned
             }
-            compiler = _Compiler(known, constants=constants, chunks=len(stages), record=record)
+            compiler = _Compiler(known, constants=constants, chunks=len(stages), record=record, blocks=blocks)
             program = compiler.top_block(schedule.body, once)
             st = _RankState(vars={**env, schedule.rank_var: rank}, rank=rank, stages=stages, budget=budget)
             program(st)
@@ -984,6 +1088,86 @@ def _run_programs(
         streams.append(st.out)
         spans.append(st.spans)
     return streams, spans
+
+
+def _compile_blocks(
+    schedule: ast.Schedule, env: dict[str, int], chunks: int, budget: _Budget, record: bool
+) -> dict[str, BlockFn]:
+    """Each block as a closure that runs its body in a fresh frame: the parameters, lets and S, its own parameters
+    bound to the arguments. Its assignments stay in that frame (block variables are private to one call), while
+    the counters and the weight-gradient queue are the rank's, shared with the caller. Callees are compiled
+    before their callers, so a call finds its block compiled (the parser refused cycles)."""
+    by_name = {block.name: block for block in schedule.blocks}
+    order: list[ast.Block] = []
+    seen: set[str] = set()
+
+    def visit(block: ast.Block) -> None:  # post-order over the call graph; its depth is bounded by the parser
+        if block.name in seen:
+            return
+        seen.add(block.name)
+        for callee in _calls(block.body):
+            visit(by_name[callee])
+        order.append(block)
+
+    for block in schedule.blocks:
+        visit(block)
+    fixed = set(env)
+    compiled: dict[str, BlockFn] = {}
+    for block in order:
+        budget.charge_compile(_count_nodes(block.body), block.span)
+        for param in block.params:
+            if param in fixed:
+                raise PipecInputError(
+                    f"block {block.name}: parameter {param!r} hides the parameter or let of the same name; rename it",
+                    block.span,
+                )
+        _refuse_assignments(block.body, fixed)
+        assigned = _assignment_counts(block.body)
+        once = {name for name, count in assigned.items() if count == 1 and name not in block.params}
+        scope = (
+            f" (block {block.name} sees the parameters, lets, S and its own parameters and variables; "
+            "pass anything else as an argument)"
+        )
+        compiler = _Compiler(
+            fixed | set(block.params) | set(assigned),
+            constants=env,
+            chunks=chunks,
+            record=record,
+            blocks=compiled,
+            scope=scope,
+        )
+        compiled[block.name] = _frame(compiler.top_block(block.body, once), block.params, env)
+    return compiled
+
+
+def _frame(body: StmtFn, params: tuple[str, ...], env: Mapping[str, int]) -> BlockFn:
+    base = dict(env)
+
+    def run(st: _RankState, values: list[int]) -> None:
+        saved = st.vars
+        frame = base.copy()
+        frame.update(zip(params, values, strict=True))  # the parser checked the arity
+        st.vars = frame
+        body(st)
+        # not restored when the body raises: an error ends the rank's run, and break/continue cannot leave a block
+        st.vars = saved
+
+    return run
+
+
+def _calls(body: Iterable[ast.Stmt]) -> list[str]:
+    """The blocks a body calls, in order (its loops and ifs included)."""
+    names: list[str] = []
+    for s in body:
+        if isinstance(s, ast.CallBlock):
+            names.append(s.name)
+        elif isinstance(s, (ast.Repeat, ast.For, ast.While)):
+            names += _calls(s.body)
+        elif isinstance(s, ast.If):
+            for _, branch in s.branches:
+                names += _calls(branch)
+            names += _calls(s.otherwise)
+    return names
 
 
 def _count_nodes(body: Iterable[ast.Stmt]) -> int:

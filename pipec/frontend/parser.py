@@ -79,7 +79,7 @@ def _describe_terminal(name: str) -> str:
 
 # What may start a statement of a per-rank program, besides an op and an assignment: a misspelt one parses as the
 # start of an assignment (`reapet warm: F` is NAME NAME ...), so the parser alone would only complain about `warm`.
-STATEMENT_KEYWORDS = ("repeat", "for", "while", "if", "elif", "else", "drain", "pass")
+STATEMENT_KEYWORDS = ("repeat", "for", "while", "if", "elif", "else", "drain", "pass", "break", "continue")
 _WORD_BEFORE = re.compile(r"(?:^|[:;])[ \t]*([A-Za-z_][A-Za-z0-9_]*)[ \t]*$")
 
 
@@ -167,11 +167,13 @@ def parse(text: str, filename: str = "<string>") -> ast.Schedule:
         tree = _parse_tree(text, filename)
         _check_nesting(tree, filename, text)
         try:
-            return _ToAst(filename, text).transform(tree)
+            schedule = _ToAst(filename, text).transform(tree)
         except VisitError as e:
             if isinstance(e.orig_exc, PipecSyntaxError):
                 raise e.orig_exc from None
             raise
+    _check_calls(schedule)
+    return schedule
 
 
 def _parse_tree(text: str, filename: str) -> Tree:
@@ -424,6 +426,29 @@ class _ToAst(Transformer):
     def pass_stmt(self, meta: Any, children: list[Any]) -> ast.Pass:
         return ast.Pass(self._span(meta))
 
+    @v_args(meta=True)
+    def break_stmt(self, meta: Any, children: list[Any]) -> ast.Break:
+        return ast.Break(self._span(meta))
+
+    @v_args(meta=True)
+    def continue_stmt(self, meta: Any, children: list[Any]) -> ast.Continue:
+        return ast.Continue(self._span(meta))
+
+    @v_args(meta=True)
+    def call_stmt(self, meta: Any, children: list[Any]) -> ast.CallBlock:
+        name, *args = children
+        return ast.CallBlock(str(name), tuple(args), self._span(meta))
+
+    @v_args(meta=True)
+    def block_decl(self, meta: Any, children: list[Any]) -> ast.Block:
+        name, *params, body = children
+        seen: set[str] = set()
+        for param in params:
+            if str(param) in seen:
+                raise self._error(f"block {name}: parameter {str(param)!r} is named twice", param)
+            seen.add(str(param))
+        return ast.Block(str(name), tuple(str(p) for p in params), body, self._span(name))
+
     def simple_stmt(self, children: list[Any]) -> list[Any]:
         return children
 
@@ -554,8 +579,15 @@ class _ToAst(Transformer):
         header: list[ast.Let | ast.Require] = []
         rank_lists: list[ast.RankList] = []
         expects: list[ast.Expect] = []
+        blocks: dict[str, ast.Block] = {}
         for decl in children[1:]:
-            if isinstance(decl, (ast.Let, ast.Require)):
+            if isinstance(decl, ast.Block):
+                if decl.name in blocks:
+                    first = blocks[decl.name].span
+                    raise PipecSyntaxError(f"block {decl.name!r} is defined twice (first on line {first.line})",
+                                           decl.span)
+                blocks[decl.name] = decl
+            elif isinstance(decl, (ast.Let, ast.Require)):
                 header.append(decl)
             elif isinstance(decl, ast.Expect):
                 expects.append(decl)
@@ -590,4 +622,116 @@ class _ToAst(Transformer):
             body=per_rank[1] if per_rank else None,
             rank_lists=tuple(rank_lists),
             span=self._span(name),
+            blocks=tuple(blocks.values()),
         )
+
+
+# ---- blocks, calls and loops: checks that need the whole file ----------------------------------------------------
+
+
+def _check_calls(schedule: ast.Schedule) -> None:
+    """Refuse, before anything runs: `break`/`continue` outside a loop, a call of an unknown block or with the
+    wrong number of arguments, blocks that call themselves (directly or through others: a block is inlined, never
+    recursive, so every program stays a bounded tree of statements), and call chains nested deeper than
+    MAX_NESTING (each call is a level: the closures that run a call chain recurse like nested blocks do)."""
+    blocks = {block.name: block for block in schedule.blocks}
+    calls: dict[str, list[tuple[ast.CallBlock, int]]] = {}  # block -> its calls and the nesting at each
+    own_depth: dict[str, int] = {}
+    bodies: list[tuple[str, tuple[ast.Stmt, ...]]] = [(b.name, b.body) for b in schedule.blocks]
+    if schedule.body is not None:
+        bodies.append(("", schedule.body))  # "": the per-rank program, which no block can name
+    for owner, body in bodies:
+        found: list[tuple[ast.CallBlock, int]] = []
+        own_depth[owner] = _walk(body, blocks, found, loops=0, depth=1)
+        calls[owner] = found
+    # depth-first over the call graph: a block on the current path that is called again closes a cycle
+    depth: dict[str, int] = {}
+    for owner, _ in bodies:
+        _call_depth(owner, calls, own_depth, depth, [], blocks)
+        if depth[owner] > MAX_NESTING:
+            where = blocks[owner].span if owner else schedule.span
+            raise PipecSyntaxError(
+                f"blocks and the calls between them are nested more than {MAX_NESTING} levels deep here "
+                f"({depth[owner]}); pipec allows at most {MAX_NESTING}",
+                where,
+            )
+
+
+def _call_depth(
+    owner: str,
+    calls: dict[str, list[tuple[ast.CallBlock, int]]],
+    own_depth: dict[str, int],
+    depth: dict[str, int],
+    path: list[tuple[str, ast.CallBlock | None]],
+    blocks: dict[str, ast.Block],
+) -> None:
+    """depth[owner]: its statement nesting with every call's callee nested in at the call. Recursive over the call
+    graph, whose depth is bounded by the number of blocks on one path, each a level of at most MAX_NESTING."""
+    if owner in depth:
+        return
+    names = [name for name, _ in path]
+    if owner in names:  # a cycle: name it from the block that starts it, and point at the call that closes it
+        cycle = [*names[names.index(owner):], owner]
+        call = path[-1][1]
+        assert call is not None
+        raise PipecSyntaxError(f"block {owner!r} calls itself ({' -> '.join(cycle)}); blocks cannot be recursive",
+                               call.span)
+    if len(path) > MAX_NESTING:  # each call is a level: deeper paths are refused below anyway
+        call = path[-1][1]
+        assert call is not None
+        raise PipecSyntaxError(f"blocks call one another more than {MAX_NESTING} levels deep here", call.span)
+    deepest = own_depth[owner]
+    for call, at in calls[owner]:
+        _call_depth(call.name, calls, own_depth, depth, [*path, (owner, call)], blocks)
+        deepest = max(deepest, at + depth[call.name])
+    depth[owner] = deepest
+
+
+def _walk(
+    body: tuple[ast.Stmt, ...],
+    blocks: dict[str, ast.Block],
+    found: list[tuple[ast.CallBlock, int]],
+    loops: int,
+    depth: int,
+) -> int:
+    """Check one body's break/continue and calls; collect its calls; return its deepest statement nesting.
+    Recursive per level of nesting, which the parser has bounded by MAX_NESTING."""
+    deepest = depth
+    for s in body:
+        if isinstance(s, (ast.Break, ast.Continue)) and loops == 0:
+            word = "break" if isinstance(s, ast.Break) else "continue"
+            raise PipecSyntaxError(f"'{word}' outside a loop: it must stand inside a repeat, for or while "
+                                   "of the same program or block", s.span)
+        if isinstance(s, ast.CallBlock):
+            _check_call(s, blocks)
+            found.append((s, depth))
+        elif isinstance(s, (ast.Repeat, ast.For, ast.While)):
+            deepest = max(deepest, _walk(s.body, blocks, found, loops + 1, depth + 1))
+        elif isinstance(s, ast.If):
+            for _, branch in s.branches:
+                deepest = max(deepest, _walk(branch, blocks, found, loops, depth + 1))
+            deepest = max(deepest, _walk(s.otherwise, blocks, found, loops, depth + 1))
+    return deepest
+
+
+def _check_call(call: ast.CallBlock, blocks: dict[str, ast.Block]) -> None:
+    block = blocks.get(call.name)
+    name = _shorten(call.name)
+    if block is None:
+        close = difflib.get_close_matches(call.name, list(blocks), n=1, cutoff=0.6)
+        if close:
+            hint = f": did you mean {close[0]!r}?"
+        elif blocks:
+            hint = f"; blocks defined: {', '.join(blocks)}"
+        else:
+            hint = f"; define it with 'block {name}(...):'"
+        raise PipecSyntaxError(f"unknown block {name!r}{hint}", call.span)
+    if len(call.args) != len(block.params):
+        wanted = ", ".join(block.params)
+        raise PipecSyntaxError(
+            f"block {name}({wanted}) takes {_arguments(len(block.params))}, got {len(call.args)}", call.span
+        )
+
+
+def _arguments(n: int) -> str:
+    return "1 argument" if n == 1 else f"{n} arguments"

@@ -35,16 +35,53 @@ The relative order of compute instructions is unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
 from pipec.errors import PipecInputError
 from pipec.ir import Action, Instruction, Kind, Program
+
+
+class Costs(Protocol):
+    """What the replay reads of a cost model (pipec.sim.costs.Costs has it; the pass is below the simulator)."""
+
+    @property
+    def message_time(self) -> float: ...
+
+    @property
+    def overlap(self) -> bool: ...
+
+    def per_stage(self, stages: int) -> Mapping[Kind, Sequence[float]]: ...
+
 
 # the default costs of pipec.sim (messages free): the replay times the compute orders with them
 _DURATION = {Kind.F: 1, Kind.B: 2, Kind.I: 1, Kind.W: 1}
 
 
-def insert_p2p_ops(program: Program) -> Program:
+def insert_p2p_ops(program: Program, costs: Costs | None = None) -> Program:
+    """The program with SEND/RECV placed by a timed replay of its compute orders under ``costs`` (None: the
+    default costs, F=1, B=2, I=1, W=1, messages free)."""
     if program.has_comms:
         raise PipecInputError("the program already has send/recv instructions")
+    if costs is None or _is_default(costs, program.num_stages):
+        # the integer replay: the default costs are whole numbers, so keys pack into ints (the fast path, and the
+        # placement every existing output was made with)
+        items, done, position = _replay_default(program)
+    else:
+        items, done, position = _replay_timed(program, costs)
+    return _place(program, items, done, position)
+
+
+def _is_default(costs: Costs, stages: int) -> bool:
+    """Whether ``costs`` time the replay exactly as the defaults do (memory fields and overlap do not matter)."""
+    if costs.message_time != 0:
+        return False
+    table = costs.per_stage(stages)  # raises on a per-stage list of the wrong length, naming the key
+    return all(all(v == _DURATION[kind] for v in row) for kind, row in table.items())
+
+
+def _replay_default(program: Program) -> tuple[list[list[tuple]], dict, list[int]]:
+    """The list schedule with the default costs, times and keys in ints (see the module docstring)."""
     where = program.stage_to_rank
     last = program.num_stages - 1
     streams = program.streams
@@ -128,6 +165,114 @@ def insert_p2p_ops(program: Program) -> Program:
             k += 1
         position[rank] = k
 
+    return items, done, position
+
+
+def _replay_timed(program: Program, costs: Costs) -> tuple[list[list[tuple]], dict, list[int]]:
+    """The list schedule with the user's costs, the same rules as _replay_default, in float times.
+
+    A time is (t, eps): eps counts zero-length steps at time t, so that an op's end is always strictly after its
+    start, even for a zero cost or a cost too small to change a large float t (1e15 + 1e-12 == 1e15). The proof in
+    the module docstring needs exactly that: a send's key (its producer's end) sorts after its producer's key
+    (the start), and a receive's key (the same end) is at most its consumer's start. A message reaches another
+    rank message_time after its producer ends (as the simulator's models have it); without overlap the sender
+    also spends message_time per send it posts, so the replay's timeline is the one the simulator will run.
+    """
+    where = program.stage_to_rank
+    last = program.num_stages - 1
+    streams = program.streams
+    ranks = len(streams)
+    table = costs.per_stage(last + 1)
+    duration = {kind: table[kind] for kind in (Kind.F, Kind.B, Kind.I, Kind.W)}
+    delay = costs.message_time
+    post = 0.0 if costs.overlap else delay
+    done: dict[tuple[int, str, int], tuple[float, int]] = {}
+    forward_to = [where[s + 1] if s < last else None for s in range(last + 1)]
+    backward_to = [where[s - 1] if s > 0 else None for s in range(last + 1)]
+    new = tuple.__new__
+    f, b, i_ = Kind.F, Kind.B, Kind.I
+    send_f, recv_f, send_b, recv_b = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
+    n_mb = 1 + max((a.mb for stream in streams for ins in stream for a in ins.parts), default=0)
+    # per rank, (key, instruction); key (t, eps, 0 for a message / 1 for a compute, message id / index): unique on
+    # its rank, so the instructions are never compared
+    items: list[list[tuple]] = [[] for _ in streams]
+    zero = (0.0, 0)
+    free = [zero] * ranks
+
+    def run(rank: int, index: int, instruction: Instruction, start: tuple[float, int]) -> list[tuple[int, str, int]]:
+        mine = items[rank]
+        mine.append(((start[0], start[1], 1, index), instruction))
+        length = 0.0
+        for stage, kind, _ in instruction.parts:
+            row = duration.get(kind)
+            if row is not None and 0 <= stage <= last:
+                length += row[stage]
+        t = start[0] + length
+        end = (t, start[1]) if t > start[0] else (start[0], start[1] + 1)
+        made = []
+        sends = 0
+        for stage, kind, mb in instruction.parts:
+            if kind is f:
+                made.append((stage, "F", mb))
+                peer = forward_to[stage] if 0 <= stage <= last else None
+                if peer is not None and peer != rank:
+                    key = (end[0], end[1], 0, (stage * n_mb + mb) * 2)
+                    mine.append((key, new(Action, (stage, send_f, mb))))
+                    items[peer].append((key, new(Action, (stage + 1, recv_f, mb))))
+                    sends += 1
+            elif kind is b or kind is i_:
+                made.append((stage, "G", mb))
+                if kind is i_:
+                    made.append((stage, "I", mb))
+                peer = backward_to[stage] if 0 <= stage <= last else None
+                if peer is not None and peer != rank:
+                    key = (end[0], end[1], 0, (stage * n_mb + mb) * 2 + 1)
+                    mine.append((key, new(Action, (stage, send_b, mb))))
+                    items[peer].append((key, new(Action, (stage - 1, recv_b, mb))))
+                    sends += 1
+        for key in made:
+            done[key] = end
+        # posting the sends holds the rank without overlap; the messages themselves keep the producer's end
+        free[rank] = (end[0] + post * sends, end[1]) if sends and post else end
+        return made
+
+    position = [0] * ranks
+    waiting: dict[tuple[int, str, int], list[int]] = {}
+    ready = list(range(ranks))
+    while ready:
+        rank = ready.pop()
+        stream, k = streams[rank], position[rank]
+        while k < len(stream):
+            instruction = stream[k]
+            start = free[rank]
+            missing = None
+            for key in _needs(instruction, last):
+                when = done.get(key)
+                if when is None:
+                    missing = key
+                    break
+                if delay and 0 <= key[0] <= last and where[key[0]] != rank:
+                    when = (when[0] + delay, when[1])  # it crosses ranks: it arrives message_time later
+                if when > start:
+                    start = when
+            if missing is not None:
+                waiting.setdefault(missing, []).append(rank)
+                break
+            for key in run(rank, k, instruction, start):
+                woken = waiting.pop(key, None)
+                if woken:
+                    ready.extend(woken)
+            k += 1
+        position[rank] = k
+    return items, done, position
+
+
+def _place(program: Program, items: list[list[tuple]], done: dict, position: list[int]) -> Program:
+    """Each rank's stream: its timed items sorted by key, then the part the replay could not run by the plain
+    rule."""
+    where = program.stage_to_rank
+    last = program.num_stages - 1
+    streams = program.streams
     out: list[list[Instruction]] = []
     for rank, rank_items in enumerate(items):
         rank_items.sort()  # keys are unique on a rank: the instructions are never compared

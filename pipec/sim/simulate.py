@@ -208,9 +208,9 @@ def _simulate(
     if p2p == "ideal":
         return _simulate_dataflow(program, costs, record, input_fraction)
     if not program.has_comms:
-        from pipec.passes.p2p import insert_p2p_ops
+        from pipec.compiler import place_p2p
 
-        program = insert_p2p_ops(program)
+        program = place_p2p(program, costs)  # placed for the costs simulated, as `pipec simulate` does
     run = _Run(program, costs, p2p)
     _run_hosts(run, record)
     stuck = [r for r in range(run.P) if not run.done[r]]

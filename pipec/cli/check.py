@@ -7,10 +7,11 @@ import argparse
 from pipec.cli.common import (
     EXIT_INVALID,
     EXIT_OK,
-    params,
+    compile_schedule,
     placement_args,
     placement_costs,
     schedule_args,
+    share_args,
     verify_args,
     verify_options,
 )
@@ -27,17 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     schedule_args(parser)
     verify_args(parser)
     placement_args(parser)
+    share_args(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipec.compiler import compile_program
     from pipec.verify import verify
 
-    costs = placement_costs(args)
-    program = compile_program(
-        args.schedule, args.ranks, args.microbatches, args.chunks, params(args), costs=costs
-    )
-    report = verify(program, **verify_options(args))
+    program, _ = compile_schedule(args, placement_costs(args))
+    report = verify(program, **verify_options(args, program))
     p = program
     print(f"{p.name}: P={p.ranks} M={p.microbatches} V={p.chunks}, {p.num_stages} stages, p2p model {args.p2p}")
     print(report.render())

@@ -7,9 +7,15 @@ import math
 import os
 import re
 import sys
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from pipec.errors import PipecInputError
 from pipec.outputs import write_text
+
+if TYPE_CHECKING:  # for the hints only: a command that needs neither need not load them
+    from pipec.ir import Program
+    from pipec.sim.costs import Costs
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
@@ -120,16 +126,65 @@ def placement_costs(args: argparse.Namespace):
     return parse_costs(args.cost)
 
 
+def share_args(parser: argparse.ArgumentParser) -> None:
+    """--per-rank-share, shared by `pipec simulate`, `show`, `viz` and `check` (docs/simulator.md, "Units that
+    compare across V")."""
+    parser.add_argument(
+        "--per-rank-share",
+        action="store_true",
+        help="costs and memory are per rank share of the model (the model as P segments): a chunk of a V-chunk "
+        "schedule takes 1/V of F, B, I, W and holds 1/V of an activation unit; per-stage lists (cost file, "
+        "--stage-sizes) have P entries; --memory-limit and peaks count whole micro-batches of a rank's share",
+    )
+
+
+def compile_schedule(args: argparse.Namespace, costs: Costs | None) -> tuple[Program, Costs | None]:
+    """The schedule of the common arguments, compiled with send/recv placed for ``costs``, and the costs in the
+    program's own stage units. Under --per-rank-share the costs are rescaled (per_rank_share) once P and V are
+    known, before the placement, so that it is timed with what is simulated; the schedule's declared memory bound
+    (in stage units, a stage holding 1) becomes 1/V as much in the flag's units."""
+    from pipec.compiler import compile_program, compute_orders, place_p2p
+
+    if not getattr(args, "per_rank_share", False):
+        program = compile_program(args.schedule, args.ranks, args.microbatches, args.chunks, params(args), costs=costs)
+        return program, costs
+    from pipec.gcpause import without_cyclic_gc
+    from pipec.sim.costs import per_rank_share
+
+    with without_cyclic_gc():  # as compile_program: the phases allocate many small acyclic tuples
+        program = compute_orders(args.schedule, args.ranks, args.microbatches, args.chunks, params(args))
+        if program.num_stages != program.ranks * program.chunks:  # segment s // V needs V stages on every rank
+            raise PipecInputError(
+                f"--per-rank-share needs P*V stages; {program.name} has {program.num_stages} for P={program.ranks}, "
+                f"V={program.chunks}"
+            )
+        # None (check without --cost): the default costs scaled by 1/V with free messages are the default
+        # placement's costs in another time unit, so the placement is the default one either way
+        costs = None if costs is None else per_rank_share(costs, program.ranks, program.chunks)
+        if program.memory_bound is not None:
+            program = replace(program, memory_bound=tuple(b / program.chunks for b in program.memory_bound))
+        if not program.has_comms:
+            program = place_p2p(program, costs)
+    return program, costs
+
+
 def sizes(text: str) -> tuple[float, ...]:
     return tuple(amount(part.strip()) for part in text.split(","))
 
 
-def verify_options(args: argparse.Namespace) -> dict:
+def verify_options(args: argparse.Namespace, program: Program | None = None) -> dict:
+    """verify()'s keyword arguments; under --per-rank-share (with the program, for P and V) the stage sizes are
+    given per segment and spread over the stages (pipec.verify.memory.share_stage_sizes)."""
+    stage_sizes = args.stage_sizes
+    if program is not None and getattr(args, "per_rank_share", False):
+        from pipec.verify.memory import share_stage_sizes
+
+        stage_sizes = share_stage_sizes(stage_sizes, program.ranks, program.chunks)
     return {
         "p2p": args.p2p,
         "memory_limit": args.memory_limit,
         "input_fraction": args.input_fraction,
-        "stage_sizes": args.stage_sizes,
+        "stage_sizes": stage_sizes,
     }
 
 

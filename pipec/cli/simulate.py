@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from pipec.cli.common import params, schedule_args, write
+from pipec.cli.common import compile_schedule, schedule_args, share_args, write
 from pipec.sim.costs import DEFAULT_COSTS
 
 HELP = "simulate a schedule with a cost model: makespan, bubble, memory"
@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """--cost and --p2p, shared by `pipec simulate`, `pipec viz` and `pipec show`."""
+    """--cost, --p2p and --per-rank-share, shared by `pipec simulate`, `pipec viz` and `pipec show`."""
     parser.add_argument(
         "--cost",
         metavar="F=1,B=2,W=1,comm=0",
@@ -46,17 +46,18 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "torch (torch's _PipelineScheduleRuntime: nccl with each send/recv posted on its own) "
         "or ideal (compute order only, asynchronous messages: the papers' timeline)",
     )
+    share_args(parser)
 
 
 def run_simulation(args: argparse.Namespace, record: bool = False):
     """Compile the schedule named by the common arguments and simulate it (shared with `pipec viz`)."""
-    from pipec.compiler import compile_program
     from pipec.sim.costs import parse_costs
     from pipec.sim.simulate import simulate
 
-    costs = parse_costs(args.cost)
-    # the send/recv are placed for the costs simulated (streams a file already holds stay as written)
-    program = compile_program(args.schedule, args.ranks, args.microbatches, args.chunks, params(args), costs=costs)
+    # the send/recv are placed for the costs simulated (streams a file already holds stay as written); under
+    # --per-rank-share those are the given costs in the program's stage units
+    program, costs = compile_schedule(args, parse_costs(args.cost))
+    assert costs is not None  # parse_costs gives the defaults for no --cost
     return simulate(program, costs, record=record, p2p=args.p2p)
 
 
@@ -74,11 +75,16 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "json":
         data = result.to_json()
         data["p2p"] = args.p2p
+        if args.per_rank_share:  # `costs` is in stage units; say what the given ones meant
+            data["units"] = "per-rank-share"
         if why:
             data["critical_waits"] = [w._asdict() for w in waits]
         write(json.dumps(data, indent=2) + "\n", args.output)
     else:
         text = render_text(result, args.p2p)
+        if args.per_rank_share:  # the header's costs are per stage; say how they relate to the ones given
+            text += "units: per rank share of the model (costs above per stage: 1/V of those given; peak_memory "
+            text += "in micro-batches of one rank's share)\n"
         if why:
             total = sum(w.until - w.time for w in waits)
             text += f"waits on the critical path: {len(waits)}, {time_units(total)}\n"

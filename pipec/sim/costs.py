@@ -30,11 +30,11 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipec.errors import PipecInputError
 from pipec.ir import Kind
-from pipec.verify.memory import DEFAULT_INPUT_FRACTION
+from pipec.verify.memory import DEFAULT_INPUT_FRACTION, spread_segments
 
 Value = float | tuple[float, ...]
 _COMPUTE = ("F", "B", "I", "W")
@@ -98,6 +98,31 @@ class Costs:
 
 
 DEFAULT_COSTS = Costs()
+
+
+def per_rank_share(costs: Costs, ranks: int, chunks: int) -> Costs:
+    """``costs`` given per rank share of the model (``--per-rank-share``) -> the same costs per stage of a P-rank,
+    V-chunk schedule. The one place the units that compare across V are turned into chunk units, for every command.
+
+    F, B, I, W and ``activation`` describe one segment of P (the model's stages at V=1; a per-stage list has P
+    entries): a stage covers 1/V of segment s // V, so it takes 1/V of that segment's time and activations.
+    ``scale`` is a factor, so a stage takes its segment's. Messages carry the same boundary activations whatever V
+    is, so comm, latency, bandwidth and size stay as given; so does ``input_fraction`` (a share, not an amount).
+    """
+    fields: dict[str, object] = {}
+    for name in _COMPUTE:
+        value = getattr(costs, name)
+        fields[name] = (
+            spread_segments(value, ranks, chunks, f"cost {name!r}") if isinstance(value, tuple) else value / chunks
+        )
+    if costs.scale is not None:
+        fields["scale"] = spread_segments(costs.scale, ranks, chunks, "cost 'scale'", divide=False)
+    activation = costs.activation
+    if isinstance(activation, tuple):
+        fields["activation"] = spread_segments(activation, ranks, chunks, "cost 'activation'")
+    elif activation is not None or chunks != 1:  # None at V=1 is already 1 unit a stage: left as the user gave it
+        fields["activation"] = (1.0 if activation is None else activation) / chunks
+    return replace(costs, **fields)  # type: ignore[arg-type]
 
 
 def time_units(amount: float) -> str:

@@ -38,6 +38,36 @@ def validate_memory_model(
     return sizes
 
 
+SHARE_FLAG = "--per-rank-share"  # the CLI flag that gives costs and memory per rank share of the model
+
+
+def spread_segments(
+    values: float | Sequence[float], ranks: int, chunks: int, key: str, divide: bool = True
+) -> tuple[float, ...]:
+    """Per-segment values -> per-stage values, for units that compare across V (``--per-rank-share``).
+
+    The model is P consecutive segments (its stages at V=1); ``values`` gives one number per segment (or one for
+    all). Stages are numbered along the model, so stage s of a V-chunk schedule covers [s/(P*V), (s+1)/(P*V)) of
+    it, which lies inside segment s // V. With ``divide`` a stage takes 1/V of its segment's amount (a duration, an
+    activation size); without, the segment's own value (a factor such as ``scale``).
+    """
+    segments = tuple(float(v) for v in values) if isinstance(values, Sequence) else (float(values),) * ranks
+    if len(segments) != ranks:
+        raise PipecInputError(
+            f"{key} has {len(segments)} entries; under {SHARE_FLAG} a per-stage list describes the model as P "
+            f"consecutive segments (its stages at V=1): {ranks} entries expected (P={ranks})"
+        )
+    share = 1.0 / chunks if divide else 1.0
+    return tuple(segments[s // chunks] * share for s in range(ranks * chunks))
+
+
+def share_stage_sizes(stage_sizes: Sequence[float] | None, ranks: int, chunks: int) -> tuple[float, ...]:
+    """The verifier's stage sizes under ``--per-rank-share``: ``stage_sizes`` has one entry per segment (default
+    1 each: one micro-batch's activations of one rank's share of the model), and a stage holds 1/V of its
+    segment's, so peaks and limits read in units that compare across V."""
+    return spread_segments(1.0 if stage_sizes is None else stage_sizes, ranks, chunks, "--stage-sizes")
+
+
 def memory_profile(
     stream: Iterable[Instruction],
     input_fraction: float = DEFAULT_INPUT_FRACTION,

@@ -121,6 +121,15 @@ def _number(digits: str, what: str, text: str) -> int:
     return int(digits)
 
 
+DEFAULT_INPUT_FRACTION = 0.5  # the share of a stage's activations that I frees (W frees the rest)
+
+
+def activation_deltas(input_fraction: float = DEFAULT_INPUT_FRACTION) -> dict[Kind, float]:
+    """Per-op change of live activations for a stage of size 1: the one liveness rule (pipec/verify/memory.py's
+    model), kept in the IR so that the verifier and the passes that order by memory use the same numbers."""
+    return {Kind.F: 1.0, Kind.B: -1.0, Kind.I: -input_fraction, Kind.W: input_fraction - 1.0}
+
+
 def v_placement(ranks: int, stages: int) -> tuple[int, ...]:
     """Stage -> rank for the V (zig-zag) shape: rank r holds stages r, 2P-1-r, 2P+r, ..."""
     return tuple(s % ranks if (s // ranks) % 2 == 0 else ranks - 1 - s % ranks for s in range(stages))

@@ -12,15 +12,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from pipec.errors import PipecInputError
-from pipec.ir import Action, Instruction, Kind, Program
+from pipec.ir import DEFAULT_INPUT_FRACTION, Action, Instruction, Kind, Program, activation_deltas
 
-DEFAULT_INPUT_FRACTION = 0.5
+# DEFAULT_INPUT_FRACTION and activation_deltas live in pipec/ir.py, so that a pass (layer 3) orders by the same
+# liveness rule the verifier checks; they are still importable from here, their former home.
+
 _EPSILON = 1e-9  # float sums of fractions: 0.1 + 0.2 must not exceed a bound of 0.3
-
-
-def activation_deltas(input_fraction: float = DEFAULT_INPUT_FRACTION) -> dict[Kind, float]:
-    """Per-op change of live activations for a stage of size 1."""
-    return {Kind.F: 1.0, Kind.B: -1.0, Kind.I: -input_fraction, Kind.W: input_fraction - 1.0}
 
 
 def validate_memory_model(

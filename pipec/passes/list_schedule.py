@@ -1,0 +1,265 @@
+"""list_schedule: per-rank compute orders chosen by simulated time (docs/design/cost_aware.md, section 3).
+
+An event-driven list scheduler over all ranks at once. When a rank is free it runs the best of its candidates that
+is ready and fits in memory; the result is an ordinary compute-only Program, so place_p2p, verify and simulate treat
+it as any other. The rules are Python callables here (the `choose` syntax compiles to them later).
+
+- Candidates of a rank: per chunk c, the next micro-batch of F[c]'s counter, of the backward counter (B or I, one
+  kind per schedule) and the oldest pending W of chunk c (the queue I fills), as counters run in programs.
+- Readiness is passes/p2p.py's replay rule: F(s, m) after F(s-1, m); B/I(s, m) after F(s, m) and the backward of
+  (s+1, m); W(s, m) after I(s, m); an input from another rank arrives ``message_time`` after its producer ends, and
+  without overlap the sender stays busy ``message_time`` per send it posts.
+- Memory is verify/memory.py's model (ir.activation_deltas times the stage size, the same float sums and the same
+  tolerance), so the live profile the scheduler admits by is exactly ``memory_profile`` of its output.
+- Times are Fractions (``Fraction(str(x))``), so equal costs tie exactly and the output is deterministic.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from typing import NamedTuple, Protocol
+
+from pipec.errors import PipecInputError
+from pipec.frontend.limits import MAX_SECONDS, MAX_STEPS, check_sizes
+from pipec.ir import DEFAULT_INPUT_FRACTION, Action, Kind, Program, activation_deltas
+
+_EPSILON = 1e-9  # verify/memory.py's tolerance: a schedule admitted here must pass check_memory
+_DEFAULT = {Kind.F: 1.0, Kind.B: 2.0, Kind.I: 1.0, Kind.W: 1.0}  # pipec.sim's default costs
+
+
+class Durations(Protocol):
+    """What the scheduler reads of a cost model (pipec.sim.costs.Costs has it; passes sit below the simulator)."""
+
+    @property
+    def message_time(self) -> float: ...
+
+    @property
+    def overlap(self) -> bool: ...
+
+    def per_stage(self, stages: int) -> Mapping[Kind, Sequence[float]]: ...
+
+
+class Candidate(NamedTuple):
+    """One op a rank may start now, with what the rules may look at (the names of the design's table)."""
+
+    rank: int
+    kind: Kind
+    chunk: int
+    stage: int
+    mb: int
+    now: Fraction  # when the rank became free (the decision time)
+    ready: Fraction  # when its inputs exist on this rank (<= now)
+    dur: Fraction
+    live: float  # the rank's live activation units before it
+    after: float  # ... and after it
+    idle: bool  # no F/B/I candidate of the rank is ready and fits in memory
+    blocked: bool  # a ready F is refused by the memory limit
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The rule spec. ``takes``: the kinds ranks run, in tie-break order (F, then B, or I and W). ``priority``:
+    a key, higher first. ``admit``: a guard (the design's `if`). ``limit``: a rank's memory limit, None for the
+    program's declared bound (or none). Remaining ties: chunk ascending, kind in ``takes`` order, mb ascending."""
+
+    takes: tuple[Kind, ...]
+    priority: Callable[[Candidate], tuple] = lambda c: ()
+    admit: Callable[[Candidate], bool] | None = None
+    limit: Callable[[int], float | None] | None = None
+
+
+class Timeline(NamedTuple):
+    program: Program  # the compute orders
+    starts: tuple[tuple[Fraction, ...], ...]  # per rank, each op's start
+    live: tuple[tuple[float, ...], ...]  # per rank, live units after each op (memory_profile of the stream)
+    makespan: Fraction
+
+
+def list_schedule(
+    template: Program,
+    rules: Rules,
+    costs: Durations | None = None,
+    input_fraction: float = DEFAULT_INPUT_FRACTION,
+    stage_sizes: Sequence[float] | None = None,
+    max_steps: int = MAX_STEPS,
+) -> Program:
+    """The compute orders ``rules`` choose under ``costs`` (None: the defaults, F=1, B=2, I=W=1, messages free) for
+    ``template``'s P, M, V, placement and forward_only (its streams are ignored). ``input_fraction`` and
+    ``stage_sizes`` are the verifier's memory model; ``max_steps`` bounds the work (candidate evaluations)."""
+    return schedule_timeline(template, rules, costs, input_fraction, stage_sizes, max_steps).program
+
+
+def schedule_timeline(
+    template: Program,
+    rules: Rules,
+    costs: Durations | None = None,
+    input_fraction: float = DEFAULT_INPUT_FRACTION,
+    stage_sizes: Sequence[float] | None = None,
+    max_steps: int = MAX_STEPS,
+) -> Timeline:
+    """list_schedule with its timeline: each op's start, the live memory after it, the makespan."""
+    ranks, n_mb, where, last = template.ranks, template.microbatches, template.stage_to_rank, template.num_stages - 1
+    check_sizes(ranks, n_mb, template.chunks)
+    back = Kind.I if Kind.I in rules.takes else Kind.B
+    needed = {Kind.F} if template.forward_only else {Kind.F, back} | ({Kind.W} if back is Kind.I else set())
+    if set(rules.takes) != needed:  # any other set of kinds could never finish (or would run an op twice)
+        raise PipecInputError(
+            f"the rules take {[k.value for k in rules.takes]}; this schedule needs exactly "
+            f"{sorted(k.value for k in needed)}"
+        )
+    table = {k: list(_DEFAULT[k] for _ in where) for k in _DEFAULT} if costs is None else costs.per_stage(last + 1)
+    dur = {k: [Fraction(str(x)) for x in table[k]] for k in rules.takes}
+    delay = Fraction(str(costs.message_time)) if costs is not None else Fraction(0)
+    post = Fraction(0) if costs is None or costs.overlap else delay
+    # forward-only: each activation is freed once sent on (peak_activations' model), so memory never binds
+    deltas = {k: 0.0 for k in Kind} if template.forward_only else activation_deltas(input_fraction)
+    sizes = [1.0] * (last + 1) if stage_sizes is None else [float(x) for x in stage_sizes]
+    if len(sizes) != last + 1:
+        raise PipecInputError(f"{len(sizes)} stage sizes given for {last + 1} stages")
+    stages = [template.stages_of(r) for r in range(ranks)]
+    limits = [rules.limit(r) if rules.limit else None for r in range(ranks)]
+    limits = [
+        b if b is not None else (template.memory_bound[r] if template.memory_bound else None)
+        for r, b in enumerate(limits)
+    ]
+    order = {k: i for i, k in enumerate(rules.takes)}
+    fwd = [[0] * len(s) for s in stages]
+    bwd = [[0] * len(s) for s in stages]
+    queue: list[list[deque[int]]] = [[deque() for _ in s] for s in stages]  # per chunk, mbs whose W is pending
+    done: dict[tuple[int, str, int], Fraction] = {}  # (stage, F/G/I, mb) -> when the producer ended
+    busy = [False] * ranks
+    live = [0.0] * ranks
+    out: list[list[Action]] = [[] for _ in range(ranks)]
+    starts: list[list[Fraction]] = [[] for _ in range(ranks)]
+    lives: list[list[float]] = [[] for _ in range(ranks)]
+    events: list[tuple[Fraction, int, int, Action | None]] = [(Fraction(0), 0, r, None) for r in range(ranks)]
+    seq, steps, left, now = ranks, 0, sum(map(len, stages)) * n_mb * len(rules.takes), Fraction(0)
+    deadline, clock = time.monotonic() + MAX_SECONDS, 1024
+
+    def ready_at(rank: int, kind: Kind, stage: int, mb: int) -> Fraction | None:
+        if kind is Kind.W:
+            return done[(stage, "I", mb)]  # it is in the queue: its I ran on this rank
+        keys = (
+            ([(stage - 1, "F", mb)] if stage > 0 else [])
+            if kind is Kind.F
+            else ([(stage, "F", mb)] + ([(stage + 1, "G", mb)] if stage < last else []))
+        )
+        at = Fraction(0)
+        for key in keys:
+            if key not in done:
+                return None
+            at = max(at, done[key] + (delay if where[key[0]] != rank else 0))
+        return at
+
+    def candidates(rank: int) -> list[tuple[Kind, int, int, int, Fraction | None, float]]:
+        """(kind, chunk, stage, mb, ready or None, after) for every counter with work left."""
+        found = []
+        for c, s in enumerate(stages[rank]):
+            for kind, mb in (
+                (Kind.F, fwd[rank][c]),
+                (back, bwd[rank][c]),
+                (Kind.W, queue[rank][c][0] if queue[rank][c] else n_mb),
+            ):
+                if kind in order and mb < n_mb:
+                    found.append((kind, c, s, mb, ready_at(rank, kind, s, mb), live[rank] + deltas[kind] * sizes[s]))
+        return found
+
+    def fits(rank: int, kind: Kind, after: float) -> bool:
+        return deltas[kind] <= 0 or limits[rank] is None or after <= limits[rank] + _EPSILON  # frees always fit
+
+    while left:
+        if not events:  # nothing runs and nothing will arrive: no rank can ever pick again
+            raise PipecInputError(_stuck(ranks, now, live, limits, candidates, fits))
+        now = events[0][0]
+        while events and events[0][0] == now:  # every completion and wake-up at this time, before any choice
+            _, _, rank, action = heapq.heappop(events)
+            if action is None:
+                busy[rank] = False
+        for rank in range(ranks):
+            if busy[rank]:
+                continue
+            found = candidates(rank)
+            steps += len(found) + 1
+            if steps > max_steps or (steps > clock and time.monotonic() > deadline):
+                raise PipecInputError(
+                    f"list scheduling stopped after {steps:,} steps at t={now}, over pipec's "
+                    f"limit of {max_steps:,} steps or {MAX_SECONDS:g} s"
+                )
+            clock = steps + 1024 if steps > clock else clock  # the clock is read every 1024 steps or so
+            now_ready = [f for f in found if f[4] is not None and f[4] <= now]
+            idle = not any(f[0] is not Kind.W and fits(rank, f[0], f[5]) for f in now_ready)
+            blocked = any(f[0] is Kind.F and not fits(rank, f[0], f[5]) for f in now_ready)
+            best, best_key = None, None
+            for kind, c, s, mb, ready, after in now_ready:
+                if not fits(rank, kind, after):
+                    continue
+                cand = Candidate(rank, kind, c, s, mb, now, ready, dur[kind][s], live[rank], after, idle, blocked)
+                if rules.admit is not None and not rules.admit(cand):
+                    continue
+                key = (tuple(rules.priority(cand)), (-c, -order[kind], -mb))
+                if best_key is None or key > best_key:
+                    best, best_key = cand, key
+            if best is None:
+                continue
+            kind, c, s, mb = best.kind, best.chunk, best.stage, best.mb
+            if kind is Kind.F:
+                fwd[rank][c] += 1
+            elif kind is Kind.W:
+                queue[rank][c].popleft()
+            else:
+                bwd[rank][c] += 1
+            live[rank] = best.after
+            out[rank].append(Action(s, kind, mb))
+            starts[rank].append(now)
+            lives[rank].append(live[rank])
+            end = now + best.dur
+            made = (
+                [(s, "F", mb)]
+                if kind is Kind.F
+                else [(s, "G", mb)]
+                if kind is Kind.B
+                else [(s, "G", mb), (s, "I", mb)]
+                if kind is Kind.I
+                else []
+            )
+            if kind is Kind.I:
+                queue[rank][c].append(mb)
+            sends = 0
+            for key in made:
+                done[key] = end  # recorded now, but nothing reads it before `end` (readiness is checked <= now)
+                peer = (key[0] + 1 if key[1] == "F" else key[0] - 1) if key[1] != "I" else None
+                if peer is not None and 0 <= peer <= last and where[peer] != rank:
+                    # wakes the peer when the message arrives; a consumer on this rank waits for this rank anyway
+                    sends += 1
+                    seq += 1
+                    heapq.heappush(events, (end + delay, seq, where[peer], Action(s, kind, mb)))
+            busy[rank] = True
+            seq += 1
+            heapq.heappush(events, (end + post * sends, seq, rank, None))  # free again, its sends posted
+            left -= 1
+    makespan = max((t for t, _, _, action in events if action is None), default=now)  # the last ops' ends
+    program = replace(template, streams=tuple(tuple(s) for s in out), has_comms=False)
+    return Timeline(program, tuple(map(tuple, starts)), tuple(map(tuple, lives)), makespan)
+
+
+def _stuck(ranks: int, now: Fraction, live: list[float], limits: list, candidates: Callable, fits: Callable) -> str:
+    """The no-progress error: each rank with work left, its live memory and limit, and why each candidate waits."""
+    lines = []
+    for rank in range(ranks):
+        why = []
+        for kind, c, s, mb, ready, after in candidates(rank):
+            reason = (
+                "waits for its inputs"
+                if ready is None
+                else (f"needs {after - live[rank]:g} more" if not fits(rank, kind, after) else "refused by its guard")
+            )
+            why.append(f"{kind.value}[{c}] mb {mb} (stage {s}) {reason}")
+        if why:
+            limit = "no limit" if limits[rank] is None else f"limit {limits[rank]:g}"
+            lines.append(f"rank {rank} at t={now}: live {live[rank]:g} of {limit}; " + "; ".join(why))
+    return "the list schedule cannot finish, no rank can run an op: " + " | ".join(lines)

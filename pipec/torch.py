@@ -1,7 +1,7 @@
 """pipec schedules inside torch.distributed.pipelining: a schedule object for torch's own stages and training loop.
 
     from pipec.torch import PipelineSchedule
-    schedule = PipelineSchedule("zb_h2", stages, n_microbatches=8, loss_fn=loss_fn)
+    schedule = PipelineSchedule("my_schedule.pipe", stages, n_microbatches=8, loss_fn=loss_fn)
     schedule.step(x, target=y, losses=losses)      # as with torch's ScheduleInterleaved1F1B & co.
 
 `PipelineSchedule` is a subclass of torch's `_PipelineScheduleRuntime` (the runtime behind torch's multi-stage
@@ -82,7 +82,7 @@ def compile_for_torch(
 class PipelineSchedule(torch_schedules._PipelineScheduleRuntime):
     """A pipec schedule as a torch.distributed.pipelining schedule, usable wherever `PipelineScheduleMulti` is.
 
-    `schedule`: a bundled name (`"zb_h2"`), a path to a .pipe or stream file, .pipe source text, or a compiled
+    `schedule`: a bundled name (see `pipec list`), a path to a .pipe or stream file, .pipe source text, or a compiled
     `pipec.Program`. P is the stages' process-group size, V the number of `stages` this rank holds (they must be the
     stages the schedule's placement puts on this rank), M is `n_microbatches`; `**params` are the schedule's named
     parameters. The schedule is compiled and verified here, on every rank, before any message is sent.

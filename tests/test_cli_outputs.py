@@ -7,8 +7,6 @@ the flag fuzz runs `pipec.cli.main` in-process.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import random
 import resource
@@ -17,21 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from pipec.cli import main
+from cli_capture import run_main
 
 PIPEC = [sys.executable, "-m", "pipec.cli"]
-
-
-def run_main(argv: list[str]) -> tuple[int, str, str]:
-    """`pipec.cli.main` in-process: exit code (argparse's SystemExit included), stdout, stderr."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 2
-    return code, out.getvalue(), err.getvalue()
 
 
 def run_cli(args: list[str], cwd: Path, **kwargs) -> subprocess.CompletedProcess:

@@ -25,9 +25,6 @@ After a deliberate change to an error message or an output, refresh every shown 
 
 from __future__ import annotations
 
-import contextlib
-import io
-import os
 import re
 import shlex
 import shutil
@@ -36,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from cli_capture import run_main
 
-from pipec import cli
 from pipec.library import bundled_source
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,17 +81,7 @@ def read_blocks(doc: Path) -> list[Block]:
 
 def run_cli(argv: list[str], cwd: Path) -> tuple[int, str, str]:
     """`pipec ARGV` in-process, in directory cwd: (exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    here = os.getcwd()
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = cli.main(argv)
-    except SystemExit as e:  # argparse usage errors
-        code = e.code if isinstance(e.code, int) else 2
-    finally:
-        os.chdir(here)
-    return code, out.getvalue(), err.getvalue()
+    return run_main(argv, cwd)
 
 
 def _param_args(block: Block) -> list[str]:

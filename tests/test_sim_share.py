@@ -3,31 +3,18 @@ sizes from (P, V), the documented table, and the flag's errors."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
 from pathlib import Path
 
 import pytest
+from cli_capture import run_main
 
-from pipec.cli import main
 from pipec.errors import PipecInputError
 from pipec.sim.costs import parse_costs, per_rank_share
 from pipec.verify.memory import share_stage_sizes, spread_segments
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def run_main(argv: list[str]) -> tuple[int, str, str]:
-    """`pipec.cli.main` in-process: exit code (argparse's SystemExit included), stdout, stderr."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 2
-    return code, out.getvalue(), err.getvalue()
 
 
 def simulate_json(*args: str) -> dict:

@@ -98,10 +98,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = build_parser(command if command in COMMANDS else None).parse_args(argv)
         except SystemExit as e:  # argparse has printed the usage error (2), or --help/--version (0)
             return e.code if isinstance(e.code, int) else EXIT_USAGE
-        check_outputs(
-            {flag: getattr(args, name, None) for name, flag in OUTPUT_FLAGS},
-            input_paths(*(getattr(args, name, None) for name in INPUT_FLAGS)),
-        )
+        module = command_module(args.command)
+        inputs = [getattr(args, name, None) for name in INPUT_FLAGS]
+        if hasattr(module, "input_files"):  # files only the command knows it reads (run: the --model module's)
+            inputs += module.input_files(args)
+        check_outputs({flag: getattr(args, name, None) for name, flag in OUTPUT_FLAGS}, input_paths(*inputs))
         code = args.handler(args)
         flush_stdout()
         return code

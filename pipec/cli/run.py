@@ -97,6 +97,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def input_files(args: argparse.Namespace) -> list[str | None]:
+    """The --model module's own file: pipec.cli checks that no output replaces it, as for the other inputs."""
+    from pipec.runtime.workload import module_file
+
+    return [module_file(args.model)]
+
+
 def run(args: argparse.Namespace) -> int:
     from pipec.runtime import launch
 
@@ -106,13 +113,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from pipec.compiler import compile_program
-    from pipec.outputs import check_outputs, input_paths
-    from pipec.runtime.workload import module_file
     from pipec.verify import verify
 
-    # Before any work: an output must not replace the model's own source (pipec.cli checked the other inputs).
-    outputs = {"--save": args.save, "--report": args.report, "--trace": args.trace}
-    check_outputs(outputs, input_paths(args.schedule, module_file(args.model)))
     if args.checkpoint_every is not None and not args.checkpoint:
         raise PipecInputError("--checkpoint-every needs --checkpoint DIR (where to write them)")
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ

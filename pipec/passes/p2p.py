@@ -35,8 +35,8 @@ The relative order of compute instructions is unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 from pipec.errors import PipecInputError
 from pipec.ir import Action, Instruction, Kind, Program
@@ -135,36 +135,8 @@ def _replay_default(program: Program) -> tuple[list[list[tuple]], dict, list[int
         free[rank] = end
         return made
 
-    # The list schedule: a rank runs instructions while their inputs exist; one that waits registers on the first
-    # missing key and is woken when it is made. Start times do not depend on the order ranks are visited in.
-    position = [0] * ranks
     free = [0] * ranks
-    waiting: dict[tuple[int, str, int], list[int]] = {}
-    ready = list(range(ranks))
-    while ready:
-        rank = ready.pop()
-        stream, k = streams[rank], position[rank]
-        while k < len(stream):
-            instruction = stream[k]
-            start = free[rank]
-            missing = None
-            for key in _needs(instruction, last):
-                when = done.get(key)
-                if when is None:
-                    missing = key
-                    break
-                if when > start:
-                    start = when
-            if missing is not None:
-                waiting.setdefault(missing, []).append(rank)
-                break
-            for key in run(rank, k, instruction, start):
-                woken = waiting.pop(key, None)
-                if woken:
-                    ready.extend(woken)
-            k += 1
-        position[rank] = k
-
+    position = _run_list(streams, last, where, done, free, run)
     return items, done, position
 
 
@@ -236,9 +208,27 @@ def _replay_timed(program: Program, costs: Costs) -> tuple[list[list[tuple]], di
         free[rank] = (end[0] + post * sends, end[1]) if sends and post else end
         return made
 
-    position = [0] * ranks
+    position = _run_list(streams, last, where, done, free, run, delay)
+    return items, done, position
+
+
+def _run_list(
+    streams: Sequence[Sequence[Instruction]],
+    last: int,
+    where: Sequence[int],
+    done: dict,
+    free: list,
+    run: Callable[[int, int, Instruction, Any], list[tuple[int, str, int]]],
+    delay: float = 0.0,
+) -> list[int]:
+    """The list schedule both replays share: each rank runs its instructions while their inputs exist (`done`:
+    key -> when it was made; `free`: when each rank is next free; `run` times one instruction and returns the keys
+    it made); one that waits registers on its first missing key and is woken when that key is made, so start
+    times do not depend on the order ranks are visited in. An input made on another rank arrives `delay` later.
+    Returns how far each rank got (its whole stream unless the compute order cannot run)."""
+    position = [0] * len(streams)
     waiting: dict[tuple[int, str, int], list[int]] = {}
-    ready = list(range(ranks))
+    ready = list(range(len(streams)))
     while ready:
         rank = ready.pop()
         stream, k = streams[rank], position[rank]
@@ -264,7 +254,7 @@ def _replay_timed(program: Program, costs: Costs) -> tuple[list[list[tuple]], di
                     ready.extend(woken)
             k += 1
         position[rank] = k
-    return items, done, position
+    return position
 
 
 def _place(program: Program, items: list[list[tuple]], done: dict, position: list[int]) -> Program:

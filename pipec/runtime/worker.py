@@ -475,7 +475,7 @@ class _CheckpointWriter:
         model: dict = {}
         for state, _ in parts:
             model.update(state)
-        # In the unsplit model's layer order (a rank's stages need not be consecutive: zbv's V), as --save writes.
+        # In the unsplit model's layer order (a rank's stages need not be consecutive: a V placement), as --save writes.
         model = dict(sorted(model.items(), key=lambda item: int(item[0].partition(".")[0])))
         optimizer = checkpoint.merge_optimizer_states(opt for _, opt in parts)
         program, count = runner.program, len(runner.work.batches)

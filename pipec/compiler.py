@@ -2,7 +2,8 @@
 
     load      SCHEDULE -> (kind, text)                 library.resolve
     parse     .pipe text -> AST                        frontend.parser.parse
-    expand    AST + P, M, V -> per-rank compute orders frontend.expand.expand   (or a stream-file loader)
+    expand    AST + P, M, V -> per-rank compute orders frontend.expand.expand   (or a stream-file loader; a
+              `choose` section: frontend.expand.run_choose, list-scheduled under the costs given)
     lower     orders -> orders with SEND/RECV          passes.p2p.insert_p2p_ops
 Verification and back ends take the resulting Program.
 
@@ -13,17 +14,17 @@ here once loaded, before verification loops over them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from pipec.emit import load_json, load_text, load_torch_csv
 from pipec.errors import PipecError, PipecInputError
 from pipec.frontend.ast import Schedule
-from pipec.frontend.expand import expand
+from pipec.frontend.expand import ChooseSpec, prepare, run_choose
 from pipec.frontend.limits import check_sizes
 from pipec.frontend.parser import parse
 from pipec.gcpause import without_cyclic_gc
-from pipec.ir import Program
+from pipec.ir import DEFAULT_INPUT_FRACTION, Program
 from pipec.library import resolve
 from pipec.passes.p2p import insert_p2p_ops
 
@@ -48,8 +49,18 @@ def compute_orders(
     microbatches: int | None = None,
     chunks: int | None = None,
     params: Mapping[str, int] | None = None,
+    costs: Costs | None = None,
+    input_fraction: float = DEFAULT_INPUT_FRACTION,
+    stage_sizes: Sequence[float] | None = None,
+    memory_limit: float | None = None,
+    per_rank_share: bool = False,
 ) -> Program:
-    """Phases load, parse and expand: the per-rank compute orders (or a stream file as written)."""
+    """Phases load, parse and expand: the per-rank compute orders (or a stream file as written).
+
+    The other arguments matter to a `choose` schedule only, whose orders are list-scheduled under ``costs`` (None:
+    the default costs) with the verifier's memory model (``input_fraction``, ``stage_sizes``, ``memory_limit``).
+    ``per_rank_share``: those are per rank share of the model (`--per-rank-share`), converted here once P and V
+    are known, as `pipec simulate` converts them."""
     kind, text, filename = resolve(schedule)
     expected = {"P": ranks, "M": microbatches, "V": chunks}
     if kind != "pipe" and params:
@@ -62,9 +73,20 @@ def compute_orders(
         check_sizes(program.ranks, program.microbatches, program.chunks, filename)
         return program
     try:
-        return expand(parse(text, filename), ranks, microbatches, chunks, params, source=filename)
+        found = prepare(parse(text, filename), ranks, microbatches, chunks, params, source=filename)
     except RecursionError:
         raise PipecInputError(f"{filename}: expressions or blocks are nested too deeply to compile") from None
+    if not isinstance(found, ChooseSpec):
+        return found
+    template, sizes = found.template, None if stage_sizes is None else tuple(stage_sizes)
+    if per_rank_share:
+        from pipec.sim.costs import Costs
+        from pipec.sim.costs import per_rank_share as share_costs
+        from pipec.verify.memory import share_stage_sizes
+
+        costs = share_costs(costs if costs is not None else Costs(), template.ranks, template.chunks)
+        sizes = share_stage_sizes(sizes, template.ranks, template.chunks)
+    return run_choose(found, costs, input_fraction, sizes, memory_limit, share=per_rank_share)
 
 
 def compile_program(
@@ -77,9 +99,10 @@ def compile_program(
     costs: Costs | None = None,
 ) -> Program:
     """Every phase: the instruction streams, with send/recv inserted unless the input already had them. ``costs``
-    time the placement of the send/recv (None: the default costs); a stream file that has them keeps its own."""
+    time the placement of the send/recv (None: the default costs), and order a `choose` schedule; a stream file
+    that has send/recv keeps its own."""
     with without_cyclic_gc():
-        program = compute_orders(schedule, ranks, microbatches, chunks, params)
+        program = compute_orders(schedule, ranks, microbatches, chunks, params, costs)
         if comms and not program.has_comms:
             program = place_p2p(program, costs)
     return program

@@ -1,7 +1,7 @@
 """The language reference and the tutorial cannot rot: every example in them is compiled here.
 
-What is checked, by the info string of each fenced block in docs/language.md, tutorial.md, testing.md, format.md and
-torch.md:
+What is checked, by the info string of each fenced block in docs/language.md, tutorial.md, testing.md, format.md,
+torch.md and tuning.md:
 
 - ```` ```pipe P=4 M=8 [V=2] [NAME=VALUE ...] ````: the block is a whole schedule; `pipec compile` with these
   parameters (names other than P, M, V go to `--set`) succeeds, which includes every verification pass.
@@ -38,7 +38,9 @@ from cli_capture import run_main
 from pipec.library import bundled_source
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = tuple(ROOT / "docs" / name for name in ("language.md", "tutorial.md", "testing.md", "format.md", "torch.md"))
+DOCS = tuple(
+    ROOT / "docs" / name for name in ("language.md", "tutorial.md", "testing.md", "format.md", "torch.md", "tuning.md")
+)
 EXAMPLES = ROOT / "examples" / "tutorial"
 BUILTIN = ("P", "M", "V")
 _FLAGS = {"P": "-P", "M": "-M", "V": "-V"}

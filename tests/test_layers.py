@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pipec.verify", "pipec.emit"),
     ("pipec.sim", "pipec.compiler"),  # the simulator runs the verifier's liveness and p2p engines
     ("pipec.viz",),
-    ("pipec.testing", "pipec.runtime"),
+    ("pipec.testing", "pipec.runtime", "pipec.tune"),  # tune searches with the test kit's parameter spaces
     ("pipec", "pipec.torch", "pipec.cli", "pipec.run", "pipec.__main__"),  # the API and the command line
 )
 TORCH_USERS = ("pipec.runtime", "pipec.torch")

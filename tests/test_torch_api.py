@@ -48,6 +48,10 @@ CASES: dict[str, tuple[int, int, int]] = {
     "zb_h2": (1, 4, 8),
     "zbv": (2, 4, 8),
     "dualpipev": (2, 4, 8),
+    "zb_auto": (1, 4, 8),  # the cost-aware ones, ordered under the default costs
+    "v_half": (2, 4, 8),
+    "v_min": (2, 4, 8),
+    "zbv_mem": (2, 4, 8),
     "v_1f1b": (2, 4, 8),
 }
 BATCH = 16  # divisible by every M above

@@ -36,6 +36,7 @@ COMMANDS = {
     "viz": "draw a schedule (SVG Gantt chart) or write a Chrome/Perfetto trace",
     "test": "property-based check of a schedule over many (P, M, V)",
     "run": "train a model with the schedule on torch.distributed",
+    "tune": "search for the fastest verified schedule under a memory limit",
 }
 
 # Flags that name files a command writes, and flags that name files it reads: checked against each other before

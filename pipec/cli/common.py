@@ -138,32 +138,46 @@ def share_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def compile_schedule(args: argparse.Namespace, costs: Costs | None) -> tuple[Program, Costs | None]:
-    """The schedule of the common arguments, compiled with send/recv placed for ``costs``, and the costs in the
-    program's own stage units. Under --per-rank-share the costs are rescaled (per_rank_share) once P and V are
-    known, before the placement, so that it is timed with what is simulated; the schedule's declared memory bound
-    (in stage units, a stage holding 1) becomes 1/V as much in the flag's units."""
-    from pipec.compiler import compile_program, compute_orders, place_p2p
-
-    if not getattr(args, "per_rank_share", False):
-        program = compile_program(args.schedule, args.ranks, args.microbatches, args.chunks, params(args), costs=costs)
-        return program, costs
+def compile_schedule(
+    args: argparse.Namespace, costs: Costs | None, comms: bool = True
+) -> tuple[Program, Costs | None]:
+    """The schedule of the common arguments, compiled with send/recv placed for ``costs`` (``comms``: False stops
+    at the compute orders), and the costs in the program's own stage units. A `choose` schedule is ordered with
+    the same costs and the verifier's memory model (--input-fraction, --stage-sizes, --memory-limit), so every
+    command that takes --cost orders it the same way. Under --per-rank-share the costs are rescaled
+    (per_rank_share) once P and V are known, before the placement, so that it is timed with what is simulated; the
+    schedule's declared memory bound (in stage units, a stage holding 1) becomes 1/V as much in the flag's units."""
+    from pipec.compiler import compute_orders, place_p2p
     from pipec.gcpause import without_cyclic_gc
-    from pipec.sim.costs import per_rank_share
 
+    share = getattr(args, "per_rank_share", False)
     with without_cyclic_gc():  # as compile_program: the phases allocate many small acyclic tuples
-        program = compute_orders(args.schedule, args.ranks, args.microbatches, args.chunks, params(args))
-        if program.num_stages != program.ranks * program.chunks:  # segment s // V needs V stages on every rank
-            raise PipecInputError(
-                f"--per-rank-share needs P*V stages; {program.name} has {program.num_stages} for P={program.ranks}, "
-                f"V={program.chunks}"
-            )
-        # None (check without --cost): the default costs scaled by 1/V with free messages are the default
-        # placement's costs in another time unit, so the placement is the default one either way
-        costs = None if costs is None else per_rank_share(costs, program.ranks, program.chunks)
-        if program.memory_bound is not None:
-            program = replace(program, memory_bound=tuple(b / program.chunks for b in program.memory_bound))
-        if not program.has_comms:
+        program = compute_orders(
+            args.schedule,
+            args.ranks,
+            args.microbatches,
+            args.chunks,
+            params(args),
+            costs=costs,
+            input_fraction=getattr(args, "input_fraction", 0.5),
+            stage_sizes=getattr(args, "stage_sizes", None),
+            memory_limit=getattr(args, "memory_limit", None),
+            per_rank_share=share,
+        )
+        if share:
+            from pipec.sim.costs import per_rank_share
+
+            if program.num_stages != program.ranks * program.chunks:  # segment s // V needs V stages on every rank
+                raise PipecInputError(
+                    f"--per-rank-share needs P*V stages; {program.name} has {program.num_stages} for "
+                    f"P={program.ranks}, V={program.chunks}"
+                )
+            # None (check without --cost): the default costs scaled by 1/V with free messages are the default
+            # placement's costs in another time unit, so the placement is the default one either way
+            costs = None if costs is None else per_rank_share(costs, program.ranks, program.chunks)
+            if program.memory_bound is not None:
+                program = replace(program, memory_bound=tuple(b / program.chunks for b in program.memory_bound))
+        if comms and not program.has_comms:
             program = place_p2p(program, costs)
     return program, costs
 

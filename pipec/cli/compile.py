@@ -9,7 +9,7 @@ from dataclasses import fields, is_dataclass
 from pipec.cli.common import (
     EXIT_INVALID,
     EXIT_OK,
-    params,
+    compile_schedule,
     placement_args,
     placement_costs,
     schedule_args,
@@ -48,20 +48,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipec.compiler import compile_program, compute_orders, parse_schedule
+    from pipec.compiler import parse_schedule
     from pipec.emit import dump_text, emit
 
     if args.emit == "ast":
         write(dump_ast(parse_schedule(args.schedule)) + "\n", args.output)
         return EXIT_OK
+    costs = placement_costs(args)
     if args.emit == "orders":
-        program = compute_orders(args.schedule, args.ranks, args.microbatches, args.chunks, params(args))
+        program, _ = compile_schedule(args, costs, comms=False)
         write(dump_text(program), args.output)
         return EXIT_OK
-    costs = placement_costs(args)
-    program = compile_program(
-        args.schedule, args.ranks, args.microbatches, args.chunks, params(args), costs=costs
-    )
+    program, _ = compile_schedule(args, costs)
     if args.emit == "ir":
         write(dump_graph(program), args.output)
         return EXIT_OK

@@ -1,10 +1,10 @@
 """`pipec run SCHEDULE --ranks P ... --model MODULE:FACTORY`: compile, verify, then train on torch.distributed
 (pipec.runtime.start).
 
-Started directly, it spawns P x D local worker processes (D = --dp, default 1; gloo on CPU, NCCL when CUDA is
-available). Started by torchrun (RANK and WORLD_SIZE set), this process is one worker:
-`torchrun --nproc-per-node 4 -m pipec.run ...`. torch is imported only once the schedule has been compiled and
-verified.
+Started directly, it spawns P x D local worker processes (D = --dp, default 1; NCCL when CUDA has a GPU per
+process, else gloo on the CPU, saying so when CUDA is there). Started by torchrun (RANK and WORLD_SIZE set),
+this process is one worker: `torchrun --nproc-per-node 4 -m pipec.run ...`. torch is imported only once the
+schedule has been compiled and verified.
 
 Everything that can be checked without a process group is checked before any worker starts, in both cases, and
 ends in exit 2 with a message: the numbers (--seed, --timeout, --steps, --dp, --checkpoint-every), the world
@@ -77,7 +77,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=positive, metavar="N", help="training steps (default: one per batch)")
     parser.add_argument("--seed", type=seed, default=0, metavar="S", help="seed for the model and data (default 0)")
     parser.add_argument("--save", metavar="PATH", help="write the trained state_dict of the whole model (rank 0)")
-    parser.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
+    parser.add_argument(
+        "--backend", choices=("gloo", "nccl"), help="default: nccl with a GPU per process, else gloo (on the CPU)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        default="fp32",
+        help="compute precision: fp32 (default); bf16 or fp16 run under autocast with float32 weights and send "
+        "activations and gradients in that dtype (fp16: static loss scale 1024)",
+    )
     parser.add_argument(
         "--partition", default="params", metavar="HOW", help="params (default), profile, or layer counts: 4,4,4,4"
     )
@@ -142,6 +151,7 @@ def _run(args: argparse.Namespace) -> int:
         checkpoint=args.checkpoint,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
+        dtype=args.dtype,
         job=os.environ.get("TORCHELASTIC_RUN_ID") if torchrun else None,
     )
     start(program, options, args.backend)

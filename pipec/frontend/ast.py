@@ -245,6 +245,27 @@ class Block:
 
 
 @dataclass(frozen=True, slots=True)
+class Take:
+    """`take I[0], W priority 3 if idle`: ops a free rank may start, how urgently, and when it may."""
+
+    ops: tuple[OpRef, ...]  # each kind with an optional chunk (none: every chunk of the rank)
+    priority: Expr | None  # None: 0
+    guard: Expr | None  # None: always admitted
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Choose:
+    """`choose per rank r:`: the rules a list scheduler applies under the compile-time costs."""
+
+    rank_var: str
+    memory: Expr | None  # the rank's limit, in the units of the `memory` declaration; None: that declaration
+    takes: tuple[Take, ...]
+    prefer: tuple[Expr, ...]  # tie-breaks after the priority, higher first
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
 class Schedule:
     name: str
     description: str
@@ -261,3 +282,4 @@ class Schedule:
     rank_lists: tuple[RankList, ...]
     span: Span
     blocks: tuple[Block, ...] = ()  # in source order; calls are checked by the parser (names, arity, no cycles)
+    choose: Choose | None = None  # a cost-aware schedule: rules instead of a program or lists

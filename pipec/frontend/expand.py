@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from fractions import Fraction
 
 from pipec.errors import PipecError, PipecInputError, PipecSyntaxError, ScheduleProgramError, Span
@@ -34,9 +34,24 @@ from pipec.frontend.limits import (
     RANK_STEPS_PER_OP,
     check_sizes,
 )
-from pipec.ir import Action, Instruction, Kind, Overlap, Program, loop_placement, parse_instruction, v_placement
+from pipec.ir import (
+    DEFAULT_INPUT_FRACTION,
+    Action,
+    Instruction,
+    Kind,
+    Overlap,
+    Program,
+    loop_placement,
+    parse_instruction,
+    v_placement,
+)
+from pipec.passes.list_schedule import Candidate, Durations, Rules, list_schedule
 
 BUILTIN_PARAMS = ("P", "M", "V")
+# The names a choose section's expressions see for each candidate: every field of the list scheduler's Candidate
+# (so a field added there is in the language at once), except the rank, which is the section's own variable, and
+# the kind, which the take line already fixes.
+CANDIDATE_NAMES = tuple(name for name in Candidate._fields if name not in ("rank", "kind"))
 _PARAM_FLAGS = {"P": "--ranks", "M": "--microbatches", "V": "--chunks"}
 _KINDS = {"F": Kind.F, "B": Kind.B, "I": Kind.I, "W": Kind.W}
 
@@ -933,13 +948,8 @@ def expand(
     source: str = "",
 ) -> Program:
     """Bind parameters, check the schedule's requirements and produce each rank's compute order."""
-    program, _ = _expand(schedule, ranks, microbatches, chunks, overrides, source, record=False)
-    key = (source, schedule.name)
-    _EXPANDED[key] = schedule
-    _EXPANDED.move_to_end(key)
-    while len(_EXPANDED) > _EXPANDED_KEPT:
-        _EXPANDED.popitem(last=False)
-    return program
+    found = prepare(schedule, ranks, microbatches, chunks, overrides, source)
+    return run_choose(found) if isinstance(found, ChooseSpec) else found
 
 
 def op_spans(program: Program) -> Spans | None:
@@ -958,7 +968,7 @@ def op_spans(program: Program) -> Spans | None:
         )
     except PipecError:  # the parameters no longer fit that schedule: it is not where the program came from
         return None
-    if spans is None or again.streams != program.compute_streams():
+    if spans is None or isinstance(again, ChooseSpec) or again.streams != program.compute_streams():
         return None
     return spans
 
@@ -971,7 +981,9 @@ def _expand(
     overrides: Mapping[str, int] | None,
     source: str,
     record: bool,
-) -> tuple[Program, Spans | None]:
+) -> tuple[Program | ChooseSpec, Spans | None]:
+    """The program (a per-rank program run, or literal lists), or for a choose section its rules (run_choose runs
+    them under the caller's costs) and, when `record`, each instruction's span."""
     budget = _Budget(rank_steps=0)  # the clock starts now; rank_steps is set once P, M and V are known
     env = bind_params(schedule, ranks, microbatches, chunks, overrides)
     # before anything is allocated for them (the placement, the per-rank lists): a mutated default such as
@@ -1020,6 +1032,22 @@ def _expand(
             f"each rank must hold V = {env['V']}",
             where,
         )
+    if schedule.choose is not None:
+        template = Program(
+            name=schedule.name,
+            ranks=env["P"],
+            microbatches=env["M"],
+            chunks=env["V"],
+            stage_to_rank=placement,
+            streams=tuple(() for _ in range(env["P"])),
+            memory_bound=memory,
+            params=params,
+            description=schedule.description,
+            source=source,
+            forward_only=schedule.forward_only,
+            expected={what: Fraction(value) for what, value in expected.items()},
+        )
+        return _choose_spec(schedule, schedule.choose, env, template, rank_stages), None
     if literal is not None:
         streams, spans = literal, literal_spans
     else:
@@ -1046,6 +1074,203 @@ def _expand(
         expected={what: Fraction(value) for what, value in expected.items()},
     )
     return program, (tuple(tuple(rank_spans) for rank_spans in spans) if record else None)
+
+
+def prepare(
+    schedule: ast.Schedule,
+    ranks: int | None,
+    microbatches: int | None = None,
+    chunks: int | None = None,
+    overrides: Mapping[str, int] | None = None,
+    source: str = "",
+) -> Program | ChooseSpec:
+    """expand, except that a choose section comes back as its rules, for run_choose under the caller's costs."""
+    found, _ = _expand(schedule, ranks, microbatches, chunks, overrides, source, record=False)
+    key = (source, schedule.name)
+    _EXPANDED[key] = schedule
+    _EXPANDED.move_to_end(key)
+    while len(_EXPANDED) > _EXPANDED_KEPT:
+        _EXPANDED.popitem(last=False)
+    return found
+
+
+# ---- the choose section --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChooseSpec:
+    """A choose section bound to P, M, V and its parameters: what the list scheduler needs besides the costs."""
+
+    template: Program  # P, M, V, the placement, the declared memory bound; no streams yet
+    rules: Rules  # the kinds in take order and the compiled priority, prefer and guard expressions
+    limits: tuple[int | Fraction, ...] | None  # the section's `memory` per rank (declaration units), if given
+    drop_padded: bool
+    span: Span  # the section, where a schedule that cannot finish is reported
+
+
+def run_choose(
+    spec: ChooseSpec,
+    costs: Durations | None = None,
+    input_fraction: float = DEFAULT_INPUT_FRACTION,
+    stage_sizes: tuple[float, ...] | None = None,
+    memory_limit: float | None = None,
+    share: bool = False,
+) -> Program:
+    """The compute orders the rules choose under ``costs`` (None: the defaults), with the verifier's memory model
+    (``input_fraction``, ``stage_sizes``). A rank's limit is the section's `memory`, else ``memory_limit`` (as
+    `--memory-limit`, in the verifier's units), else the schedule's declared bound. ``share``: the costs, sizes and
+    ``memory_limit`` are per rank share (`--per-rank-share`, already converted by the caller), so the section's and
+    the declaration's limits, in stage units, count 1/V as much."""
+    template = spec.template
+    scale = Fraction(1, template.chunks) if share else Fraction(1)
+
+    def limit(rank: int) -> float | None:
+        if spec.limits is not None:
+            return float(spec.limits[rank] * scale)
+        if memory_limit is not None:
+            return memory_limit
+        if template.memory_bound is not None:
+            return float(Fraction(str(template.memory_bound[rank])) * scale)
+        return None
+
+    # mistakes in the costs or sizes are reported as themselves, before the run; what the run raises is the
+    # section's doing (it cannot finish, or runs over the budget), and is reported at the section
+    if costs is not None:
+        costs.per_stage(template.num_stages)
+    if stage_sizes is not None and len(stage_sizes) != template.num_stages:
+        raise PipecInputError(f"{len(stage_sizes)} stage sizes given for {template.num_stages} stages")
+    try:
+        program = list_schedule(template, replace(spec.rules, limit=limit), costs, input_fraction, stage_sizes)
+    except ScheduleProgramError:
+        raise  # a rule failed (a division by zero): its own span says where
+    except PipecInputError as e:  # it cannot finish, or over the budget: the section is what to look at
+        raise PipecInputError(f"{template.name}: {e.message}", spec.span) from None
+    if spec.drop_padded:
+        program = replace(
+            program, streams=tuple(tuple(_drop_padded(list(s), template.microbatches)) for s in program.streams)
+        )
+    return program
+
+
+def _exact(value: object) -> int | Fraction:
+    """A candidate's field as the expressions see it: exact, booleans 0/1, times and memory as fractions (from the
+    float's shortest text, as costs are read, so that a tie is a tie)."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, (int, Fraction)):
+        return value
+    if isinstance(value, float):
+        return Fraction(str(value))
+    raise AssertionError(f"a candidate field of type {type(value).__name__}")  # pragma: no cover
+
+
+def _choose_spec(
+    schedule: ast.Schedule, choose: ast.Choose, env: dict[str, int], template: Program,
+    rank_stages: list[tuple[int, ...]],
+) -> ChooseSpec:
+    """Compile the section per rank (the rank and the parameters fold to constants) into the scheduler's Rules."""
+    var = choose.rank_var
+    if var in env:
+        raise PipecInputError(
+            f"the rank variable '{var}' hides the parameter or let of the same name; rename one", choose.span
+        )
+    known = set(env) | {var} | set(CANDIDATE_NAMES)
+    header = {**env}  # the chunk of a take and the `memory` line see no candidate
+    tables: list[dict[tuple[Kind, int], tuple[ExprFn, ExprFn | None]]] = []
+    prefers: list[list[ExprFn]] = []
+    states: list[_RankState] = []
+    limits: list[int | Fraction] = []
+    order: list[Kind] = []
+    for rank, stages in enumerate(rank_stages):
+        constants = {**env, var: rank}
+        compiler = _Compiler(known, exact_division=True, constants=constants, chunks=len(stages))
+        table: dict[tuple[Kind, int], tuple[ExprFn, ExprFn | None]] = {}
+        where: dict[tuple[Kind, int], ast.Take] = {}
+        for take in choose.takes:
+            priority = compiler.expr(take.priority) if take.priority is not None else (lambda st: 0)
+            guard = compiler.expr(take.guard) if take.guard is not None else None
+            for op in take.ops:
+                kind = _KINDS[op.kind]
+                if kind not in order:
+                    order.append(kind)
+                if op.chunk is None:
+                    chunk_list: Iterable[int] = range(len(stages))
+                else:
+                    chunk = _choose_value(op.chunk, {**header, var: rank})
+                    if not isinstance(chunk, int) or not 0 <= chunk < len(stages):
+                        raise PipecInputError(
+                            f"rank {rank}: chunk {chunk} does not exist: each rank holds {len(stages)} stage(s), "
+                            f"chunks 0..{len(stages) - 1}",
+                            op.span,
+                        )
+                    chunk_list = (chunk,)
+                for chunk in chunk_list:
+                    if (kind, chunk) in where:
+                        raise PipecInputError(
+                            f"rank {rank}: {op.kind}[{chunk}] is already taken on line {where[kind, chunk].span.line}: "
+                            "one take line per op and chunk",
+                            op.span,
+                        )
+                    where[kind, chunk] = take
+                    table[kind, chunk] = (priority, guard)
+        _check_taken(schedule, choose, table, len(stages), rank)
+        tables.append(table)
+        prefers.append([compiler.expr(e) for e in choose.prefer])
+        states.append(_RankState(vars=dict(constants), rank=rank, stages=stages))
+        if choose.memory is not None:
+            limits.append(_choose_value(choose.memory, {**header, var: rank}))
+
+    def bind(c: Candidate) -> _RankState:
+        st = states[c.rank]
+        for name in CANDIDATE_NAMES:
+            st.vars[name] = _exact(getattr(c, name))  # type: ignore[assignment]
+        return st
+
+    def priority(c: Candidate) -> tuple:
+        st = bind(c)
+        return (tables[c.rank][c.kind, c.chunk][0](st), *(fn(st) for fn in prefers[c.rank]))
+
+    def admit(c: Candidate) -> bool:
+        guard = tables[c.rank][c.kind, c.chunk][1]
+        return guard is None or bool(guard(bind(c)))
+
+    rules = Rules(tuple(order), priority=priority, admit=admit)
+    return ChooseSpec(template, rules, tuple(limits) if choose.memory is not None else None, schedule.drop_padded,
+                      choose.span)
+
+
+def _choose_value(e: ast.Expr, env: Mapping[str, int]) -> int | Fraction:
+    """A header-like expression of the section (a take's chunk, the `memory` line): the parameters and the rank."""
+    try:
+        return _evaluate(e, env, exact_division=True)
+    except ScheduleProgramError as error:
+        raise PipecInputError(error.message, error.span) from None
+
+
+def _check_taken(
+    schedule: ast.Schedule, choose: ast.Choose, table: Mapping[tuple[Kind, int], object], chunks: int, rank: int
+) -> None:
+    """The kinds a rank takes must finish the schedule (F and B, or F, I and W; F alone for `forward only`), each
+    for every chunk: any other set of take lines could never finish, and the scheduler would only say so late."""
+    kinds = {kind for kind, _ in table}
+    if schedule.forward_only:
+        needed = [Kind.F]
+    elif Kind.B in kinds and Kind.I not in kinds:
+        needed = [Kind.F, Kind.B]
+    else:
+        needed = [Kind.F, Kind.I, Kind.W]
+    if kinds != set(needed):
+        taken = ", ".join(k.value for k in sorted(kinds, key=lambda k: k.value))
+        wanted = "F only (forward only)" if schedule.forward_only else "F and B, or F, I and W"
+        raise PipecInputError(f"the choose section takes {taken}; a schedule takes {wanted}", choose.span)
+    for kind in needed:
+        for chunk in range(chunks):
+            if (kind, chunk) not in table:
+                raise PipecInputError(
+                    f"rank {rank}: {kind.value}[{chunk}] is never taken: add it to a take line (a take without a "
+                    "chunk takes every chunk)",
+                    choose.span,
+                )
 
 
 def _run_programs(

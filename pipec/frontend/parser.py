@@ -14,7 +14,7 @@ from lark.indenter import DedentError, Indenter
 
 from pipec.errors import PipecSyntaxError, Span
 from pipec.frontend import ast
-from pipec.frontend.expand import check_pair_kinds
+from pipec.frontend.expand import CANDIDATE_NAMES, check_pair_kinds
 from pipec.frontend.limits import MAX_LITERAL_DIGITS, MAX_NESTING
 from pipec.gcpause import without_cyclic_gc
 
@@ -571,6 +571,61 @@ class _ToAst(Transformer):
         number = _integer(rank, self.filename, self.text)
         return ast.RankList(number, tuple((str(a), self._span(a)) for a in actions), self._span(meta))
 
+    # -- the choose section
+    @v_args(meta=True)
+    def take_op(self, meta: Any, children: list[Any]) -> ast.OpRef:
+        return self._op(meta, children, if_pending=False)
+
+    def take_priority(self, children: list[Any]) -> tuple[str, Any]:
+        return ("priority", children[0])
+
+    def take_guard(self, children: list[Any]) -> tuple[str, Any]:
+        return ("guard", children[0])
+
+    @v_args(meta=True)
+    def take(self, meta: Any, children: list[Any]) -> ast.Take:
+        ops = tuple(c for c in children if isinstance(c, ast.OpRef))
+        parts = dict(c for c in children if isinstance(c, tuple))
+        for e in (parts.get("priority"), parts.get("guard")):
+            if e is not None:
+                _refuse_counters(e)
+        return ast.Take(ops, parts.get("priority"), parts.get("guard"), self._span(meta))
+
+    @v_args(meta=True)
+    def choose_memory(self, meta: Any, children: list[Any]) -> tuple[str, Any, Any]:
+        _refuse_counters(children[0])
+        return ("memory", children[0], meta)
+
+    @v_args(meta=True)
+    def prefer(self, meta: Any, children: list[Any]) -> tuple[str, Any, Any]:
+        for e in children:
+            _refuse_counters(e)
+        return ("prefer", tuple(children), meta)
+
+    @v_args(meta=True)
+    def choose_decl(self, meta: Any, children: list[Any]) -> tuple[str, Any, Any]:
+        rank_var, *rules = children
+        found: dict[str, Any] = {}
+        takes: list[ast.Take] = []
+        seen: dict[tuple[str, int | None], ast.Take] = {}  # (kind, literal chunk or None) -> its take line
+        for rule in rules:
+            if isinstance(rule, ast.Take):
+                for op in rule.ops:
+                    _check_take_op(op, seen, rule)
+                takes.append(rule)
+                continue
+            key, value, where = rule
+            if key in found:
+                raise self._error(f"'{key}' is given twice in the choose section", where)
+            found[key] = value
+        if not takes:
+            raise self._error("the choose section takes nothing: add a line such as 'take F' or 'take I priority 1'",
+                              meta)
+        # the section's span is its first line (the caret runs to its end), where a whole-section error points
+        section = ast.Choose(str(rank_var), found.get("memory"), tuple(takes), found.get("prefer", ()),
+                             self._span(meta))
+        return ("choose", section, meta)
+
     @v_args(meta=True)
     def start(self, meta: Any, children: list[Any]) -> ast.Schedule:
         _, name, description = children[0]
@@ -603,10 +658,22 @@ class _ToAst(Transformer):
                     raise self._error(f"'{key.replace('_', ' ')}' is declared twice", where)
                 found[key] = value
         per_rank = found.get("per_rank")
+        choose: ast.Choose | None = found.get("choose")
         if per_rank is not None and rank_lists:
             raise self._error("a schedule has either a 'per rank' program or literal 'rank N:' lists, not both", meta)
-        if per_rank is None and not rank_lists:
-            raise self._error("the schedule has no order: add a 'per rank r:' program or 'rank N:' lists", name)
+        if choose is not None and (per_rank is not None or rank_lists):
+            raise PipecSyntaxError(
+                "a schedule has one of a 'per rank' program, literal 'rank N:' lists or a 'choose' section",
+                choose.span,
+            )
+        if per_rank is None and not rank_lists and choose is None:
+            raise self._error(
+                "the schedule has no order: add a 'per rank r:' program, 'rank N:' lists or a 'choose per rank r:' "
+                "section",
+                name,
+            )
+        if choose is not None:
+            _check_choose_names(choose, params, header)
         return ast.Schedule(
             name=str(name),
             description=description,
@@ -623,7 +690,58 @@ class _ToAst(Transformer):
             rank_lists=tuple(rank_lists),
             span=self._span(name),
             blocks=tuple(blocks.values()),
+            choose=choose,
         )
+
+
+def _refuse_counters(e: ast.Expr) -> None:
+    """count() and pending() read a program's counters; a choose section's expressions see the candidate instead."""
+    stack = [e]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Count, ast.Pending)):
+            raise PipecSyntaxError(
+                "count() and pending() are not available in a choose section: its rules see the candidate "
+                f"({', '.join(CANDIDATE_NAMES)})",
+                node.span,
+            )
+        if isinstance(node, ast.Call):
+            stack.extend(node.args)
+        elif isinstance(node, ast.BinOp):
+            stack.extend((node.left, node.right))
+        elif isinstance(node, ast.Unary):
+            stack.append(node.operand)
+        elif isinstance(node, ast.Cond):
+            stack.extend((node.test, node.then, node.otherwise))
+
+
+def _check_take_op(op: ast.OpRef, seen: dict[tuple[str, int | None], ast.Take], rule: ast.Take) -> None:
+    """One take line per (kind, chunk), as far as the text shows it (a computed chunk is checked when expanded)."""
+    chunk = op.chunk.value if isinstance(op.chunk, ast.Int) else None if op.chunk is None else -1
+    if chunk == -1:
+        return
+    clashes = [key for key in seen if key[0] == op.kind and (chunk is None or key[1] is None or key[1] == chunk)]
+    if clashes:
+        first = seen[clashes[0]].span.line
+        what = op.kind if chunk is None else f"{op.kind}[{chunk}]"
+        raise PipecSyntaxError(f"{what} is already taken on line {first}: one take line per op and chunk", op.span)
+    seen[(op.kind, chunk)] = rule
+
+
+def _check_choose_names(choose: ast.Choose, params: tuple[ast.Param, ...], header: list[Any]) -> None:
+    """A candidate's names would hide a parameter or let of the same name (and the rank variable, a candidate's):
+    refused when the file is read rather than silently shadowed."""
+    names = set(CANDIDATE_NAMES)
+    for item in (*params, *(h for h in header if isinstance(h, ast.Let))):
+        if item.name in names:
+            raise PipecSyntaxError(
+                f"{item.name!r} is a name the choose section gives each candidate; rename the "
+                f"{'parameter' if isinstance(item, ast.Param) else 'let'}",
+                item.span,
+            )
+    if choose.rank_var in names:
+        raise PipecSyntaxError(f"the rank variable {choose.rank_var!r} is a candidate's name; use another, such as r",
+                               choose.span)
 
 
 # ---- blocks, calls and loops: checks that need the whole file ----------------------------------------------------

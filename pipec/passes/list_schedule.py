@@ -2,7 +2,7 @@
 
 An event-driven list scheduler over all ranks at once. When a rank is free it runs the best of its candidates that
 is ready and fits in memory; the result is an ordinary compute-only Program, so place_p2p, verify and simulate treat
-it as any other. The rules are Python callables here (the `choose` syntax compiles to them later).
+it as any other. The rules are Python callables (a `choose` section compiles to them: frontend/expand.py).
 
 - Candidates of a rank: per chunk c, the next micro-batch of F[c]'s counter, of the backward counter (B or I, one
   kind per schedule) and the oldest pending W of chunk c (the queue I fills), as counters run in programs.
@@ -12,6 +12,12 @@ it as any other. The rules are Python callables here (the `choose` syntax compil
 - Memory is verify/memory.py's model (ir.activation_deltas times the stage size, the same float sums and the same
   tolerance), so the live profile the scheduler admits by is exactly ``memory_profile`` of its output.
 - Times are Fractions (``Fraction(str(x))``), so equal costs tie exactly and the output is deterministic.
+- At each moment the free ranks choose in rank order, and the pass repeats until none starts anything: a start
+  makes its output's arrival known, which a waiting rank's ``gap`` reads.
+- Besides the op itself, a Candidate carries what the library's cost-aware rules read (pipec/schedules/zb_auto.pipe,
+  v_half.pipe, v_min.pipe, zbv_mem.pipe): ``gap`` (fill a wait with a W only if it fits), ``inflight`` (1F1B's depth),
+  ``work`` (the steady period, to pace new micro-batches), ``owed`` (the memory a rank's started micro-batches
+  will still claim, to reserve it and avoid a memory deadlock) and ``bound`` (the limit, in the units of ``live``).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from pipec.frontend.limits import MAX_SECONDS, MAX_STEPS, check_sizes
 from pipec.ir import DEFAULT_INPUT_FRACTION, Action, Kind, Program, activation_deltas
 
 _EPSILON = 1e-9  # verify/memory.py's tolerance: a schedule admitted here must pass check_memory
+NEVER = Fraction(10**18)  # the gap when no waiting input of the rank is known to be on its way
 _DEFAULT = {Kind.F: 1.0, Kind.B: 2.0, Kind.I: 1.0, Kind.W: 1.0}  # pipec.sim's default costs
 
 
@@ -59,6 +66,12 @@ class Candidate(NamedTuple):
     after: float  # ... and after it
     idle: bool  # no F/B/I candidate of the rank is ready and fits in memory
     blocked: bool  # a ready F is refused by the memory limit
+    gap: Fraction  # until the earliest known readiness of a waiting F/B/I (its producer started); NEVER if none
+    inflight: int  # the rank's forwards whose backward has not run, all chunks (count(F) - count(B or I))
+    wpending: int  # the rank's W waiting in the queues, all chunks
+    work: Fraction  # the rank's busy time per micro-batch (all its ops of one micro-batch): the steady period
+    owed: float  # units the rank's later chunks will still add for micro-batches its first chunk has forwarded
+    bound: float  # the rank's memory limit in the units of live (NEVER when memory does not restrict the choice)
 
 
 @dataclass(frozen=True)
@@ -122,6 +135,7 @@ def schedule_timeline(
     if len(sizes) != last + 1:
         raise PipecInputError(f"{len(sizes)} stage sizes given for {last + 1} stages")
     stages = [template.stages_of(r) for r in range(ranks)]
+    work = [sum((dur[k][s] for s in st for k in rules.takes), Fraction(0)) for st in stages]
     limits = [rules.limit(r) if rules.limit else None for r in range(ranks)]
     limits = [
         b if b is not None else (template.memory_bound[r] if template.memory_bound else None)
@@ -180,68 +194,103 @@ def schedule_timeline(
             _, _, rank, action = heapq.heappop(events)
             if action is None:
                 busy[rank] = False
-        for rank in range(ranks):
-            if busy[rank]:
-                continue
-            found = candidates(rank)
-            steps += len(found) + 1
-            if steps > max_steps or (steps > clock and time.monotonic() > deadline):
-                raise PipecInputError(
-                    f"list scheduling stopped after {steps:,} steps at t={now}, over pipec's "
-                    f"limit of {max_steps:,} steps or {MAX_SECONDS:g} s"
+        # a start can make a waiting rank's gap known (done is recorded at the start), so the pass repeats at this
+        # time until no rank starts anything; a rank picks at most once a pass, and a busy one never
+        started = True
+        while started:
+            started = False
+            for rank in range(ranks):
+                if busy[rank]:
+                    continue
+                found = candidates(rank)
+                steps += len(found) + 1
+                if steps > max_steps or (steps > clock and time.monotonic() > deadline):
+                    raise PipecInputError(
+                        f"list scheduling stopped after {steps:,} steps at t={now}, over pipec's "
+                        f"limit of {max_steps:,} steps or {MAX_SECONDS:g} s"
+                    )
+                clock = steps + 1024 if steps > clock else clock  # the clock is read every 1024 steps or so
+                now_ready = [f for f in found if f[4] is not None and f[4] <= now]
+                idle = not any(f[0] is not Kind.W and fits(rank, f[0], f[5]) for f in now_ready)
+                blocked = any(f[0] is Kind.F and not fits(rank, f[0], f[5]) for f in now_ready)
+                # ready_at is known once the producer has started (done is recorded at its start), so a later time is an
+                # input on its way: the gap a W may fill without delaying it
+                gap = min(
+                    (f[4] - now for f in found if f[0] is not Kind.W and f[4] is not None and f[4] > now), default=NEVER
                 )
-            clock = steps + 1024 if steps > clock else clock  # the clock is read every 1024 steps or so
-            now_ready = [f for f in found if f[4] is not None and f[4] <= now]
-            idle = not any(f[0] is not Kind.W and fits(rank, f[0], f[5]) for f in now_ready)
-            blocked = any(f[0] is Kind.F and not fits(rank, f[0], f[5]) for f in now_ready)
-            best, best_key = None, None
-            for kind, c, s, mb, ready, after in now_ready:
-                if not fits(rank, kind, after):
+                inflight, wpending = sum(fwd[rank]) - sum(bwd[rank]), sum(map(len, queue[rank]))
+                # what a reservation must keep free so that every started micro-batch can finish its forwards here
+                owed = sum(
+                    (fwd[rank][0] - n) * deltas[Kind.F] * sizes[s] for n, s in zip(fwd[rank], stages[rank], strict=True)
+                )
+                best, best_key = None, None
+                for kind, c, s, mb, ready, after in now_ready:
+                    if not fits(rank, kind, after):
+                        continue
+                    cand = Candidate(
+                        rank,
+                        kind,
+                        c,
+                        s,
+                        mb,
+                        now,
+                        ready,
+                        dur[kind][s],
+                        live[rank],
+                        after,
+                        idle,
+                        blocked,
+                        gap,
+                        inflight,
+                        wpending,
+                        work[rank],
+                        owed,
+                        float(NEVER) if limits[rank] is None else limits[rank],
+                    )
+                    if rules.admit is not None and not rules.admit(cand):
+                        continue
+                    key = (tuple(rules.priority(cand)), (-c, -order[kind], -mb))
+                    if best_key is None or key > best_key:
+                        best, best_key = cand, key
+                if best is None:
                     continue
-                cand = Candidate(rank, kind, c, s, mb, now, ready, dur[kind][s], live[rank], after, idle, blocked)
-                if rules.admit is not None and not rules.admit(cand):
-                    continue
-                key = (tuple(rules.priority(cand)), (-c, -order[kind], -mb))
-                if best_key is None or key > best_key:
-                    best, best_key = cand, key
-            if best is None:
-                continue
-            kind, c, s, mb = best.kind, best.chunk, best.stage, best.mb
-            if kind is Kind.F:
-                fwd[rank][c] += 1
-            elif kind is Kind.W:
-                queue[rank][c].popleft()
-            else:
-                bwd[rank][c] += 1
-            live[rank] = best.after
-            out[rank].append(Action(s, kind, mb))
-            starts[rank].append(now)
-            lives[rank].append(live[rank])
-            end = now + best.dur
-            made = (
-                [(s, "F", mb)]
-                if kind is Kind.F
-                else [(s, "G", mb)]
-                if kind is Kind.B
-                else [(s, "G", mb), (s, "I", mb)]
-                if kind is Kind.I
-                else []
-            )
-            if kind is Kind.I:
-                queue[rank][c].append(mb)
-            sends = 0
-            for key in made:
-                done[key] = end  # recorded now, but nothing reads it before `end` (readiness is checked <= now)
-                peer = (key[0] + 1 if key[1] == "F" else key[0] - 1) if key[1] != "I" else None
-                if peer is not None and 0 <= peer <= last and where[peer] != rank:
-                    # wakes the peer when the message arrives; a consumer on this rank waits for this rank anyway
-                    sends += 1
-                    seq += 1
-                    heapq.heappush(events, (end + delay, seq, where[peer], Action(s, kind, mb)))
-            busy[rank] = True
-            seq += 1
-            heapq.heappush(events, (end + post * sends, seq, rank, None))  # free again, its sends posted
-            left -= 1
+                kind, c, s, mb = best.kind, best.chunk, best.stage, best.mb
+                if kind is Kind.F:
+                    fwd[rank][c] += 1
+                elif kind is Kind.W:
+                    queue[rank][c].popleft()
+                else:
+                    bwd[rank][c] += 1
+                live[rank] = best.after
+                out[rank].append(Action(s, kind, mb))
+                starts[rank].append(now)
+                lives[rank].append(live[rank])
+                end = now + best.dur
+                made = (
+                    [(s, "F", mb)]
+                    if kind is Kind.F
+                    else [(s, "G", mb)]
+                    if kind is Kind.B
+                    else [(s, "G", mb), (s, "I", mb)]
+                    if kind is Kind.I
+                    else []
+                )
+                if kind is Kind.I:
+                    queue[rank][c].append(mb)
+                sends = 0
+                for key in made:
+                    done[key] = end  # recorded now, but nothing reads it before `end` (readiness is checked <= now)
+                    peer = (key[0] + 1 if key[1] == "F" else key[0] - 1) if key[1] != "I" else None
+                    if peer is not None and 0 <= peer <= last and where[peer] != rank:
+                        # wakes the peer when the message arrives; a consumer on this rank waits for this rank anyway
+                        sends += 1
+                        seq += 1
+                        heapq.heappush(events, (end + delay, seq, where[peer], Action(s, kind, mb)))
+                busy[rank] = True
+                seq += 1
+                heapq.heappush(events, (end + post * sends, seq, rank, None))  # free again, its sends posted
+                left -= 1
+                started = True
     makespan = max((t for t, _, _, action in events if action is None), default=now)  # the last ops' ends
     program = replace(template, streams=tuple(tuple(s) for s in out), has_comms=False)
     return Timeline(program, tuple(map(tuple, starts)), tuple(map(tuple, lives)), makespan)

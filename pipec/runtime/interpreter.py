@@ -2,10 +2,12 @@
 and a short loop; no schedule is special here.
 
 Where tensors live between instructions (keys are (stage, micro-batch)):
-- `acts[s, m]`  the input of stage s for micro-batch m, in transit: F(s-1, m) or RECV_F(s, m) puts it there,
+- `acts[s, m]`  the input of stage s for micro-batch m (a tensor, or a tuple of them that the stage's first
+                layer receives as positional arguments), in transit: F(s-1, m) or RECV_F(s, m) puts it there,
                 F(s, m) or SEND_F(s-1, m) takes it;
-- `grads[s, m]` the gradient of stage s's output: B/I(s+1, m) or RECV_B(s, m) puts it there, B/I(s, m) or
-                SEND_B(s+1, m) takes it;
+- `grads[s, m]` the gradients of stage s's output, a tuple: one per output tensor that carries a gradient back
+                (the floating-point ones, `stages.Boundary.grads`); B/I(s+1, m) or RECV_B(s, m) puts it there,
+                B/I(s, m) or SEND_B(s+1, m) takes it;
 - `saved[s, m]` what the backward needs, from F(s, m) until B or I: one unit of activations;
 - `partial[s, m]` what W needs, from I(s, m) until W(s, m): the layer outputs and their gradients, counted as
                 (1 - input_fraction) of a unit (the liveness model of pipec.verify.memory).
@@ -18,7 +20,15 @@ A compute instruction first waits for the batches holding the receives it consum
 F(s, m), RECV_B(s, m) before B/I(s, m)); nothing waits for a send until the end of the step, where every
 outstanding batch is waited for in posting order (before the optimizer step). A posted batch keeps its send
 tensors alive until it has been waited for. Every message uses tag 0, so messages between two ranks match in
-issue order, as NCCL matches them. Shapes are known from start-up (`shapes`), never sent.
+issue order, as NCCL matches them. Shapes are known from start-up (`shapes`), never sent. A message of several
+tensors (a stage returning a tuple) is that many ops, consecutive in the same batch and in the same order on
+both sides, so the order the verifier proved holds message by message.
+
+Precision: with `dtype` (--dtype bf16|fp16), F runs the stage and the loss under torch.autocast (parameters and
+their gradients stay float32: the optimizer's weights are the master weights) and casts the floating-point
+tensors it sends to `dtype` inside the graph, so they and their gradients travel in half the bytes and the
+backward starts from what was sent. fp16 scales the loss by `loss_scale` (gradients are unscaled after the
+stream, see worker.Runner.step).
 
 Randomness: F runs each layer after reseeding `generators` from the micro-batch's seed (`seeds`, set per step
 by the worker) and the layer's index (stages.Stage.forward): dropout does not depend on the schedule.
@@ -30,6 +40,7 @@ recorded output and its gradient to that layer's parameters only, so no part of 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,16 +51,17 @@ import torch
 import torch.distributed as dist
 
 from pipec.ir import Action, Instruction, Kind, Overlap, Program
-from pipec.runtime.stages import Stage
+from pipec.runtime.stages import Boundary, Stage, detached, to_boundary
+from pipec.runtime.timing import Clock, HostClock
 from pipec.verify.memory import DEFAULT_INPUT_FRACTION
 
 perf = time.perf_counter
 
 
 class Saved(NamedTuple):
-    x: torch.Tensor | None  # the stage input (a leaf that requires grad); None on stage 0
-    out: torch.Tensor  # the stage output, or the scaled loss on the last stage
-    recorded: list  # outputs of the layers with parameters
+    x: tuple  # the stage's input tensors that carry a gradient back (leaves that require grad); () on stage 0
+    out: tuple  # the output tensors that carry a gradient back, as sent; (the loss / M, scaled,) on the last stage
+    recorded: list  # per layer with parameters, its output tensors that require grad
 
 
 @dataclass
@@ -57,7 +69,7 @@ class Context:
     rank: int
     stages: dict[int, Stage]
     stage_to_rank: tuple[int, ...]
-    shapes: dict[int, tuple[tuple[int, ...], torch.dtype]]  # each stage's output shape and dtype
+    shapes: dict[int, Boundary]  # what each stage but the last sends: its tensors' shapes and dtypes
     microbatches: int
     loss_fn: Callable | None
     device: torch.device
@@ -66,6 +78,9 @@ class Context:
     tracing: bool = False
     p2p_timeout: timedelta = timedelta(seconds=30)  # a p2p batch not done by then raises (a peer hung or died)
     generators: tuple = ()  # the random generators F reseeds per layer (stages.reseed)
+    dtype: Any = None  # the compute dtype of --dtype bf16|fp16 (autocast, boundary tensors); None: float32
+    loss_scale: float = 1.0  # fp16: the backward starts from the loss times this (static loss scaling)
+    clock: Clock = field(default_factory=HostClock)  # CUDA events on a GPU (timing.py); the host clock on CPU
     # Per step.
     inputs: list = field(default_factory=list)
     targets: list = field(default_factory=list)
@@ -81,6 +96,7 @@ class Context:
     comm_s: float = 0.0
     peak: float = 0.0
     events: list = field(default_factory=list)  # (actions or a name, category, start, duration)
+    timed: list = field(default_factory=list)  # (action, host start, host seconds) of each compute action, per step
     pc: int = -1  # the plan entry being executed, len(plan) at the end of the step (the guard thread, error messages)
     waiting: int = -1  # the plan entry of the batch being waited for, or -1
     outstanding: dict = field(default_factory=dict)  # plan entry -> Posted, in posting order
@@ -101,52 +117,93 @@ def forward(ctx: Context, action: Action) -> None:
     seed = ctx.seeds[m] if ctx.seeds is not None else None
     start = perf()
     if not ctx.training:
-        with torch.no_grad():
+        with torch.no_grad(), _precision(ctx):
             y = ctx.stages[s].forward(x, seed, ctx.generators)
             if last and ctx.loss_fn is not None:
-                loss = ctx.loss_fn(y, ctx.targets[m]).detach() / ctx.microbatches
+                loss = ctx.loss_fn(y, ctx.targets[m]).detach().float() / ctx.microbatches
                 ctx.loss += loss
                 ctx.losses.append((m, loss))
+            elif not last:
+                y = to_boundary(y, ctx.dtype)
     else:
-        if s > 0:
-            x.requires_grad_()
-        y, recorded = ctx.stages[s].forward_recording(x, seed, ctx.generators)
+        leaves = _leaves(x) if s > 0 else ()
+        with _precision(ctx):
+            y, recorded = ctx.stages[s].forward_recording(x, seed, ctx.generators)
+            if last:
+                # The mean of the micro-batch losses is the full-batch loss: each backward starts from loss / M.
+                y = ctx.loss_fn(y, ctx.targets[m]) / ctx.microbatches
         if last:
-            # The mean of the micro-batch losses is the full-batch loss: each backward starts from loss / M.
-            y = ctx.loss_fn(y, ctx.targets[m]) / ctx.microbatches
-            ctx.loss += y.detach()
+            ctx.loss += y.detach().float()
             ctx.losses.append((m, y.detach()))
-        ctx.saved[s, m] = Saved(x if s > 0 else None, y, recorded)
+            out: tuple = (y * ctx.loss_scale if ctx.loss_scale != 1.0 else y,)
+        else:
+            y = to_boundary(y, ctx.dtype)  # in the graph: the backward starts from the tensors sent
+            out = (y,) if type(y) is not tuple else tuple(t for t in y if t.is_floating_point())
+        ctx.saved[s, m] = Saved(leaves, out, recorded)
     ctx.compute_s += _mark(ctx, action, start)
     if not last:
-        ctx.acts[s + 1, m] = y.detach()
+        ctx.acts[s + 1, m] = detached(y)
+
+
+def _precision(ctx: Context):
+    """torch.autocast in the compute dtype of --dtype, or nothing (float32)."""
+    if ctx.dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(ctx.device.type, dtype=ctx.dtype)
+
+
+def _leaves(x) -> tuple:
+    """A stage input's floating-point tensors, made leaves that require grad (in place: each is this stage's own,
+    received or detached), in the order of `Boundary.grads`. Integer tensors (positions, masks) get none."""
+    if type(x) is not tuple:
+        return (x.requires_grad_(),)  # one tensor crosses only if floating point when training (set-up checks)
+    return tuple(t.requires_grad_() for t in x if t.is_floating_point())
+
+
+def _roots(out: tuple, grads: tuple | None) -> tuple | None:
+    """What a backward starts from: (outputs, their gradients), keeping the outputs that require grad (one that
+    depends on nothing trainable has no graph, and its gradient is dropped); None if there are none. On the
+    last stage (`grads` None) the output is the loss."""
+    if grads is None or len(out) == 1:
+        return (out, grads) if out[0].requires_grad else None
+    keep = [i for i, t in enumerate(out) if t.requires_grad]
+    return ([out[i] for i in keep], [grads[i] for i in keep]) if keep else None
+
+
+def _input_grads(x: tuple, got) -> tuple:
+    """The gradients to send back for the input leaves `x` (zeros for an input the stage did not use)."""
+    if len(x) == 1:  # the common case, without a generator
+        return (got[0] if got[0] is not None else torch.zeros_like(x[0]),)
+    return tuple(g if g is not None else torch.zeros_like(t) for t, g in zip(x, got, strict=True))
 
 
 def backward(ctx: Context, action: Action) -> None:
     s, _, m = action
     x, out, _ = ctx.saved.pop((s, m))
-    grad = None if s == ctx.last_stage else ctx.grads.pop((s, m))
+    grads = None if s == ctx.last_stage else ctx.grads.pop((s, m))
+    roots = _roots(out, grads)
     start = perf()
-    if out.requires_grad:
-        torch.autograd.backward(out, grad)
+    if roots is not None:
+        torch.autograd.backward(*roots)
     ctx.compute_s += _mark(ctx, action, start)
-    if x is not None:
-        ctx.grads[s - 1, m] = x.grad if x.grad is not None else torch.zeros_like(x)
+    if s > 0:
+        ctx.grads[s - 1, m] = _input_grads(x, [t.grad for t in x])
 
 
 def backward_input(ctx: Context, action: Action) -> None:
     s, _, m = action
     x, out, recorded = ctx.saved.pop((s, m))
-    grad = None if s == ctx.last_stage else ctx.grads.pop((s, m))
-    wanted = recorded if x is None else [x, *recorded]
+    grads = None if s == ctx.last_stage else ctx.grads.pop((s, m))
+    roots = _roots(out, grads)
+    wanted = [*x, *(t for outputs in recorded for t in outputs)]
     start = perf()
     got: tuple = ()
-    if wanted and out.requires_grad:
-        got = torch.autograd.grad(out, wanted, grad, retain_graph=True, allow_unused=True)
+    if wanted and roots is not None:
+        got = torch.autograd.grad(roots[0], wanted, roots[1], retain_graph=True, allow_unused=True)
     ctx.compute_s += _mark(ctx, action, start)
-    if x is not None:
-        ctx.grads[s - 1, m] = got[0] if got and got[0] is not None else torch.zeros_like(x)
-        got = got[1:]
+    if s > 0:
+        ctx.grads[s - 1, m] = _input_grads(x, got[: len(x)] if got else [None] * len(x))
+        got = got[len(x) :]
     ctx.partial[s, m] = (recorded, got)
 
 
@@ -155,41 +212,61 @@ def backward_weight(ctx: Context, action: Action) -> None:
     recorded, grads = ctx.partial.pop((s, m))
     stage = ctx.stages[s]
     start = perf()
-    # Each call stops at its own layer's parameters: the gradient of the layer's output already holds
+    # Each call stops at its own layer's parameters: the gradients of the layer's outputs already hold
     # everything downstream, so the layers' subgraphs are disjoint and nothing is computed twice.
-    for position, output, grad in zip(stage.param_layers, recorded, grads, strict=False):  # grads is () if no grad
-        if grad is not None:
-            torch.autograd.backward(output, grad, inputs=stage.layer_parameters(position))
+    at = 0
+    for position, outputs in zip(stage.param_layers, recorded, strict=True):
+        mine, at = grads[at : at + len(outputs)], at + len(outputs)  # grads is () if nothing needed a gradient
+        pairs = [(t, g) for t, g in zip(outputs, mine, strict=False) if g is not None]
+        if len(pairs) == 1:
+            torch.autograd.backward(pairs[0][0], pairs[0][1], inputs=stage.layer_parameters(position))
+        elif pairs:
+            roots, seeds = zip(*pairs, strict=True)
+            torch.autograd.backward(list(roots), list(seeds), inputs=stage.layer_parameters(position))
     ctx.compute_s += _mark(ctx, action, start)
 
 
-# --- communication: each returns the op to post and, for a receive, where its tensor goes ---------------
+# --- communication: each returns the ops to post, where a receive's value goes (box, key; None for a send) and
+# the value (a send's tensors, kept alive until the batch is waited for; a receive's tensor or tuple) ----------
 
 
 def send_f(ctx: Context, action: Action):
     s, _, m = action
-    tensor = ctx.acts.pop((s + 1, m)).contiguous()
-    return dist.P2POp(dist.isend, tensor, ctx.stage_to_rank[s + 1], tag=0), None, None
+    return _sends(ctx.acts.pop((s + 1, m)), ctx.stage_to_rank[s + 1])
 
 
 def recv_f(ctx: Context, action: Action):
     s, _, m = action
-    shape, dtype = ctx.shapes[s - 1]
-    tensor = torch.empty(shape, dtype=dtype, device=ctx.device)
-    return dist.P2POp(dist.irecv, tensor, ctx.stage_to_rank[s - 1], tag=0), ctx.acts, (s, m)
+    boundary, peer = ctx.shapes[s - 1], ctx.stage_to_rank[s - 1]
+    if len(boundary.specs) == 1 and not boundary.is_tuple:  # one tensor: the common case, kept short
+        shape, dtype = boundary.specs[0]
+        tensor = torch.empty(shape, dtype=dtype, device=ctx.device)
+        return [dist.P2POp(dist.irecv, tensor, peer, tag=0)], ctx.acts, (s, m), tensor
+    parts = tuple(torch.empty(shape, dtype=dtype, device=ctx.device) for shape, dtype in boundary.specs)
+    value = parts if boundary.is_tuple else parts[0]
+    return [dist.P2POp(dist.irecv, t, peer, tag=0) for t in parts], ctx.acts, (s, m), value
 
 
 def send_b(ctx: Context, action: Action):
     s, _, m = action
-    tensor = ctx.grads.pop((s - 1, m)).contiguous()
-    return dist.P2POp(dist.isend, tensor, ctx.stage_to_rank[s - 1], tag=0), None, None
+    return _sends(ctx.grads.pop((s - 1, m)), ctx.stage_to_rank[s - 1])
 
 
 def recv_b(ctx: Context, action: Action):
     s, _, m = action
-    shape, dtype = ctx.shapes[s]
-    tensor = torch.empty(shape, dtype=dtype, device=ctx.device)
-    return dist.P2POp(dist.irecv, tensor, ctx.stage_to_rank[s + 1], tag=0), ctx.grads, (s, m)
+    boundary, peer = ctx.shapes[s], ctx.stage_to_rank[s + 1]
+    specs = boundary.specs
+    parts = tuple(torch.empty(specs[i][0], dtype=specs[i][1], device=ctx.device) for i in boundary.grads)
+    return [dist.P2POp(dist.irecv, t, peer, tag=0) for t in parts], ctx.grads, (s, m), parts
+
+
+def _sends(value, peer: int):
+    """The ops sending a tensor or a tuple of them to `peer`, in order, and the tensors sent."""
+    if type(value) is not tuple:
+        tensor = value.contiguous()
+        return [dist.P2POp(dist.isend, tensor, peer, tag=0)], None, None, (tensor,)
+    sent = tuple(t.contiguous() for t in value)
+    return [dist.P2POp(dist.isend, t, peer, tag=0) for t in sent], None, None, sent
 
 
 DISPATCH: dict[Kind, Callable] = {
@@ -219,8 +296,15 @@ def compute(ctx: Context, entry: Entry) -> None:
     for batch in entry.waits:  # the batches holding this instruction's receives (gone if already waited for)
         if batch in ctx.outstanding:
             complete(ctx, batch)
-    for action in entry.actions:
-        DISPATCH[action.kind](ctx, action)
+    clock = ctx.clock
+    if clock.device:  # events on the compute stream around each action: what the GPU did, resolved after the step
+        for action in entry.actions:
+            clock.start()
+            DISPATCH[action.kind](ctx, action)
+            clock.stop(action)
+    else:
+        for action in entry.actions:
+            DISPATCH[action.kind](ctx, action)
     live = len(ctx.saved) + (1.0 - ctx.input_fraction) * len(ctx.partial)
     if live > ctx.peak:
         ctx.peak = live
@@ -229,13 +313,13 @@ def compute(ctx: Context, entry: Entry) -> None:
 def communicate(ctx: Context, entry: Entry) -> None:
     """Post the batch and go on: rule 1 of version 2, posting never blocks."""
     ops, sends, arrivals = [], [], []
-    for action in entry.actions:
-        op, box, key = DISPATCH[action.kind](ctx, action)
-        ops.append(op)
+    for action in entry.actions:  # a message of several tensors is several ops, in the same order on both sides
+        posts, box, key, value = DISPATCH[action.kind](ctx, action)
+        ops += posts
         if box is None:
-            sends.append(op.tensor)
+            sends.append(value)
         else:
-            arrivals.append((box, key, op.tensor))
+            arrivals.append((box, key, value))
     start = perf()
     ctx.outstanding[ctx.pc] = Posted(dist.batch_isend_irecv(ops), sends, arrivals)
     elapsed = perf() - start
@@ -261,9 +345,10 @@ def complete(ctx: Context, batch: int) -> None:
 
 
 def _mark(ctx: Context, action: Action, start: float) -> float:
+    """The host's time in a compute call since `start`; kept per action for the step's statistics and trace
+    (on a GPU the clock's events replace it there, see timing.py; the host's time still splits the loop)."""
     elapsed = perf() - start
-    if ctx.tracing:
-        ctx.events.append(((action,), action.kind.value, start, elapsed))
+    ctx.timed.append((action, start, elapsed))
     return elapsed
 
 
@@ -320,6 +405,7 @@ def run(ctx: Context, entries: list[Entry], inputs: list, targets: list) -> floa
     waited for only here, before the optimizer step). Returns the loop's wall time."""
     ctx.inputs, ctx.targets, ctx.loss, ctx.plan = inputs, targets, 0.0, entries
     ctx.losses = []
+    ctx.timed = []
     ctx.outstanding.clear()  # only a failed step could have left any
     start = perf()
     for ctx.pc, entry in enumerate(entries):

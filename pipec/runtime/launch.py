@@ -37,13 +37,35 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
-from pipec.errors import PipecError
+from pipec.errors import PipecError, PipecInputError
 
 DEFAULT_TIMEOUT_S = 30.0
 SETUP_TIMEOUT_S = 120.0  # gloo: rendezvous, set-up and per-step collectives; p2p waits use the short timeout
 STOP_GRACE_S = 5.0  # after SIGTERM, how long a worker may take to report where it was before it is killed
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 LOCALHOST = "127.0.0.1"
+
+
+def choose_backend(requested: str | None, cuda: bool, gpus: int, processes: int) -> tuple[str, str | None]:
+    """The process group's backend for `processes` workers on this machine, and a one-line note when the default
+    could not be NCCL although CUDA is there. NCCL needs a GPU of its own per process (two ranks of one
+    communicator on one GPU are refused), so without --backend a machine with fewer GPUs than processes runs on
+    gloo, on the CPU, and says so: the README's command works on a one-GPU machine. `--backend nccl` asked for
+    explicitly with too few GPUs is bad input (PipecInputError), not silently something else."""
+    if requested == "nccl":
+        if not cuda or gpus < processes:
+            found = f"found {gpus}" if cuda else "CUDA is not available"
+            raise PipecInputError(f"--backend nccl needs {processes} GPUs (one per process), {found}")
+        return "nccl", None
+    if requested is not None or not cuda:
+        return requested or "gloo", None
+    if gpus >= processes:
+        return "nccl", None
+    plural = "s" if gpus != 1 else ""
+    return "gloo", (
+        f"{processes} processes but {gpus} GPU{plural}: running on gloo, on the CPU (NCCL needs a GPU per process; "
+        "--backend nccl refuses, --backend gloo says nothing)"
+    )
 
 
 def group_timeout(backend: str, timeout_s: float) -> timedelta:
@@ -451,7 +473,11 @@ def join_torchrun(fn: Callable[..., Any], args: tuple = (), timeout_s: float = D
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    cuda = torch.cuda.is_available()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    backend, note = choose_backend(None, cuda, torch.cuda.device_count() if cuda else 0, local)
+    if note is not None and os.environ.get("RANK") == "0":
+        print(f"note: {note}", flush=True)  # stdout, as pipec run says it: a good run keeps stderr empty
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 

@@ -5,13 +5,18 @@
   (ties broken towards fewer layers in the largest stage, so parameter-free layers spread out too);
 - `profile`: the same optimum over measured per-layer forward+backward times;
 - `4,4,4,4`: explicit layer counts.
+
+What flows between layers, and between stages: a layer returns a tensor or a tuple of tensors; the next layer
+receives a tuple as positional arguments (`call`), as torch.distributed.pipelining passes a stage's outputs to
+the next stage. `Boundary` describes what one stage sends to the next (learnt once at start-up); under
+`--dtype bf16|fp16` its floating-point tensors travel in that dtype (`to_boundary`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipec.errors import PipecInputError
 
@@ -69,18 +74,18 @@ def layer_weights_by_profile(layers, sample, repeats: int = 5) -> list[float]:
     import torch
 
     weights = []
-    x = sample.detach()
+    x = detached(sample)
     for layer in layers:
         times = []
         for _ in range(repeats):
-            inp = x.detach().requires_grad_(x.is_floating_point())
+            inp = detached(x, grad=True)
             start = time.perf_counter()
-            out = layer(inp)
-            if out.requires_grad:
-                out.sum().backward()
+            out = [t for t in tensors(call(layer, inp)) if t.requires_grad]
+            if out:
+                sum(t.float().sum() for t in out).backward()
             times.append(time.perf_counter() - start)
         with torch.no_grad():
-            x = layer(x)
+            x = call(layer, x)
         weights.append(sorted(times)[len(times) // 2])
     for layer in layers:
         layer.zero_grad(set_to_none=True)
@@ -139,19 +144,20 @@ class Stage:
         for i, layer in enumerate(self.layers):
             if seed is not None:
                 reseed(generators, layer_seed(seed, self.first_layer + i))
-            x = layer(x)
+            x = layer(*x) if type(x) is tuple else layer(x)
         return x
 
     def forward_recording(self, x, seed: int | None = None, generators: Sequence = ()):
-        """The output, and the outputs of the layers with parameters (in order). `seed` as in `forward`."""
+        """The output, and, for each layer with parameters (in order), the tuple of its output tensors that
+        require grad. `seed` as in `forward`."""
         recorded = []
         marks = set(self.param_layers)
         for i, layer in enumerate(self.layers):
             if seed is not None:
                 reseed(generators, layer_seed(seed, self.first_layer + i))
-            x = layer(x)
-            if i in marks:
-                recorded.append(x)
+            x = layer(*x) if type(x) is tuple else layer(x)
+            if i in marks:  # per layer, its outputs that carry a gradient (W starts from them)
+                recorded.append(tuple(t for t in x if t.requires_grad) if type(x) is tuple else (x,))
         return x, recorded
 
     def state_dict(self) -> dict:
@@ -161,6 +167,82 @@ class Stage:
             for key, value in layer.state_dict().items():
                 out[f"{self.first_layer + i}.{key}"] = value.detach().cpu().clone()
         return out
+
+
+# --- what flows between layers and stages -----------------------------------------------------------------------
+
+
+def call(layer, x):
+    """`layer` on `x`: a tuple's tensors are passed as positional arguments (torch.distributed.pipelining's rule
+    between stages, here between any two layers), anything else as the one argument."""
+    return layer(*x) if type(x) is tuple else layer(x)
+
+
+def run_layers(layers, x):
+    """The unsplit model on `x`, layer after layer with `call`'s rule (nn.Sequential would pass a tuple as one
+    argument)."""
+    for layer in layers:
+        x = call(layer, x)
+    return x
+
+
+def tensors(value) -> tuple:
+    """The tensors of a layer's output: the tuple itself, or a one-tensor tuple."""
+    return value if type(value) is tuple else (value,)
+
+
+def detached(value, grad: bool = False):
+    """`value` (a tensor or a tuple of them) cut from its graph; with `grad`, its floating-point tensors become
+    leaves that require grad (integer tensors, such as positions or masks, cannot carry a gradient)."""
+    if type(value) is not tuple:
+        return value.detach().requires_grad_(grad and value.is_floating_point())
+    return tuple(t.detach().requires_grad_(grad and t.is_floating_point()) for t in value)
+
+
+DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}  # --dtype -> torch's name (None: no autocast)
+
+
+def compute_dtype(name: str):
+    """The torch dtype of `--dtype NAME`, or None for fp32 (ordinary float32 training, no autocast)."""
+    import torch
+
+    if name not in DTYPES:
+        raise PipecInputError(f"--dtype {name!r}: expected one of {', '.join(DTYPES)}")
+    attr = DTYPES[name]
+    return None if attr is None else getattr(torch, attr)
+
+
+def to_boundary(value, dtype):
+    """A stage's output as it is sent: floating-point tensors in the compute dtype (`dtype`, None: unchanged).
+    The cast is part of the autograd graph, so the backward starts from the tensors that were sent."""
+    if dtype is None:
+        return value
+    if type(value) is not tuple:
+        return value.to(dtype) if value.is_floating_point() else value
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in value)
+
+
+class Boundary(NamedTuple):
+    """What stage s sends to stage s + 1 for each micro-batch, learnt at start-up: each tensor's shape and dtype
+    (as sent), whether it is a tuple (the next stage receives its tensors as positional arguments) and which of
+    them carry a gradient back (the floating-point ones; their gradients travel in the same dtype)."""
+
+    specs: tuple[tuple[tuple[int, ...], Any], ...]  # (shape, dtype) of each tensor
+    is_tuple: bool
+    grads: tuple[int, ...]  # indices (into specs) of the tensors whose gradients travel back
+
+    @classmethod
+    def of(cls, value) -> Boundary:
+        parts = tensors(value)
+        specs = tuple((tuple(t.shape), t.dtype) for t in parts)
+        return cls(specs, type(value) is tuple, tuple(i for i, t in enumerate(parts) if t.is_floating_point()))
+
+    def zeros(self, device) -> Any:
+        """A stand-in input of these shapes (zeros), for the start-up shape pass."""
+        import torch
+
+        parts = tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in self.specs)
+        return parts if self.is_tuple else parts[0]
 
 
 def build_stages(layers, sizes: Sequence[int], wanted: Sequence[int]) -> dict[int, Stage]:

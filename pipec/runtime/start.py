@@ -30,10 +30,9 @@ def start(program: Program, options: Options, backend: str | None = None) -> Non
         return
     import torch
 
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl" and torch.cuda.device_count() < world:
-        raise PipecInputError(f"--backend nccl needs {world} GPUs, found {torch.cuda.device_count()}")
+    cuda = torch.cuda.is_available()
+    backend, note = launch.choose_backend(backend, cuda, torch.cuda.device_count() if cuda else 0, world)
+    if note is not None:
+        print(f"note: {note}")
     sys.stdout.flush()
     launch.spawn(run_worker, world, (program, options), timeout_s=options.timeout_s, backend=backend)
-
-

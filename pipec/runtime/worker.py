@@ -30,7 +30,7 @@ import torch.distributed as dist
 from pipec.errors import PipecError, PipecInputError
 from pipec.ir import Program
 from pipec.outputs import write_with
-from pipec.runtime import checkpoint, interpreter, stages, workload
+from pipec.runtime import checkpoint, interpreter, stages, timing, workload
 from pipec.runtime.interpreter import Context
 from pipec.runtime.launch import RunError, group_timeout, parent_gone
 from pipec.runtime.objects import all_gather_objects, broadcast_object, gather_objects
@@ -56,18 +56,21 @@ class Options:
     resume: str | None = None  # the step directory to resume from (chosen and checked before workers start)
     resume_step: int = 0  # the steps it holds: training continues at this step index
     job: str | None = None  # torchrun's run id (TORCHELASTIC_RUN_ID), recorded in manifests; None otherwise
+    dtype: str = "fp32"  # --dtype: fp32, or bf16/fp16 (autocast, boundary tensors in that dtype; docs/runtime.md)
 
 
 @dataclass
 class StepStats:
-    wall_s: float  # this rank's step, optimizer included
-    loop_s: float  # the interpreter loop
-    compute_s: float  # inside torch compute calls of the loop
+    wall_s: float  # this rank's step, optimizer included (on a GPU, until the GPU has finished it)
+    loop_s: float  # the interpreter loop (host)
+    compute_s: float  # the compute actions of the loop: the host's time in torch's calls, or the GPU's (events)
     comm_s: float  # inside p2p calls: posting batches and waiting for them
     allreduce_s: float  # averaging the gradients over the replicas (0 when D = 1)
     optimizer_s: float
     loss: float | None
     nonfinite: list[str] = field(default_factory=list)  # what this rank found not finite (then no optimizer step)
+    host_compute_s: float = 0.0  # the host's time inside torch's compute calls (= compute_s on the CPU)
+    op_s: dict = field(default_factory=dict)  # (stage, kind) -> mean seconds of one action of it this step
 
 
 @dataclass
@@ -103,8 +106,10 @@ class Runner:
         dp: int = 1,
         seed: int = 0,
         resume_step: int = 0,
+        dtype: str = "fp32",
     ):
         rank, world = dist.get_rank(), dist.get_world_size()
+        compute_dtype = stages.compute_dtype(dtype)
         layout = Layout(program.ranks, dp)
         if world != layout.world:
             raise PipecInputError(
@@ -119,7 +124,7 @@ class Runner:
         for stage in mine.values():
             stage.to(device)
         mine = stages.build_stages(work.layers, sizes, program.stages_of(prank))  # parameter lists after .to()
-        shapes = _exchange_shapes(program, mine, inputs[0].to(device))
+        shapes = _exchange_shapes(program, mine, inputs[0].to(device), compute_dtype)
         # Every rank creates every replica group, in the same order (new_group is collective).
         group = replica_group(layout, rank, group_timeout(dist.get_backend(), p2p_timeout_s))
         generators = [torch.default_generator]
@@ -138,6 +143,9 @@ class Runner:
             tracing=tracing,
             p2p_timeout=timedelta(seconds=p2p_timeout_s),
             generators=tuple(generators),
+            dtype=compute_dtype,
+            loss_scale=FP16_LOSS_SCALE if dtype == "fp16" else 1.0,
+            clock=timing.clock_for(device),
         )
         params = [p for stage in mine.values() for p in stage.parameters()]
         names = {id(p): name for stage in mine.values() for name, p in stage.named_parameters()}
@@ -161,6 +169,7 @@ class Runner:
         """One step: take this replica's share of the batch, clear gradients, run the stream, average the
         gradients over the replicas, step the optimizer (all timed)."""
         start = time.perf_counter()
+        self.ctx.clock.begin_step()
         self.step_index += 1
         ctx, layout, microbatches = self.ctx, self.layout, self.program.microbatches
         inputs, targets = workload.split(batch, microbatches, self.replica, layout.replicas)
@@ -173,6 +182,8 @@ class Runner:
         for p in self.params:
             p.grad = None
         loop_s = interpreter.run(ctx, self.entries, inputs, targets)
+        if ctx.loss_scale != 1.0 and ctx.training:  # fp16: the gradients of the scaled loss, back to the loss's
+            _unscale([p.grad for p in self.params if p.grad is not None], ctx.loss_scale)
         # Checked before the optimizer step, so that a NaN never reaches the weights; train() stops every rank.
         # Checked before averaging, so that the message names the replica where it appeared.
         nonfinite = self.nonfinite() if self.check_finite else []
@@ -188,11 +199,19 @@ class Runner:
         opt_start = time.perf_counter()
         if self.optimizer is not None and not nonfinite and not peer_nonfinite:
             self.optimizer.step()
+        ctx.clock.finish_step()  # a GPU: the step ends when its work is done (one synchronize)
         end = time.perf_counter()
+        timed = ctx.clock.resolve(ctx.timed)
+        compute_s, op_s = _per_op(timed)
+        if ctx.tracing:
+            ctx.events.extend(((action,), action.kind.value, begin, seconds) for action, begin, seconds in timed)
         self.events.extend((self.step_index, *event) for event in ctx.events)
         ctx.events.clear()
         loss = float(ctx.loss) if self.program.stage_to_rank[-1] == self.pipeline_rank else None
-        return StepStats(end - start, loop_s, ctx.compute_s, ctx.comm_s, allreduce_s, end - opt_start, loss, nonfinite)
+        return StepStats(
+            end - start, loop_s, compute_s, ctx.comm_s, allreduce_s, end - opt_start, loss, nonfinite, ctx.compute_s,
+            op_s,
+        )  # fmt: skip
 
     def nonfinite(self) -> list[str]:
         """What this rank holds that is not finite after the stream: the loss of a micro-batch (last stage), or
@@ -262,6 +281,21 @@ class Runner:
         return [(self.rank, step, acts, cat, start - base, dur) for step, acts, cat, start, dur in self.events]
 
 
+def _per_op(timed: list) -> tuple[float, dict]:
+    """A step's compute seconds and, per (stage, kind), the mean seconds of one action (the measured costs)."""
+    sums: dict = {}
+    total = 0.0
+    for (stage, kind, _), _, seconds in timed:
+        total += seconds
+        row = sums.get((stage, kind.value))
+        if row is None:
+            sums[stage, kind.value] = [seconds, 1]
+        else:
+            row[0] += seconds
+            row[1] += 1
+    return total, {key: seconds / count for key, (seconds, count) in sums.items()}
+
+
 def _common_time_base(device: torch.device) -> float:
     """The trace's time origin in this process's perf_counter terms: the earliest wall-clock time any rank reads
     here (wall clocks agree across processes and, NTP permitting, across nodes; perf_counter is precise)."""
@@ -282,6 +316,16 @@ def _clock_offset(samples: int = 7) -> float:
         after = time.perf_counter()
         best = min(best, (after - before, wall - (before + after) / 2))
     return best[1]
+
+
+def _unscale(grads: list, scale: float) -> None:
+    """Divide the gradients by the loss scale (a power of two: exact), in one fused call for the dense ones."""
+    dense = [g for g in grads if not g.is_sparse]
+    if dense:
+        torch._foreach_mul_(dense, 1.0 / scale)
+    for g in grads:
+        if g.is_sparse:
+            g.mul_(1.0 / scale)
 
 
 def _all_finite(grads: list) -> bool:
@@ -344,22 +388,49 @@ def _agree(
     return tuple(base[1])
 
 
-def _exchange_shapes(program: Program, mine: dict, sample) -> dict:
-    """Each stage's output shape and dtype, learnt once: the owner runs the stage on an input of the right
-    shape (no grad) and broadcasts the result to every rank, in stage order."""
+FP16_LOSS_SCALE = 1024.0  # --dtype fp16: a static loss scale (a power of two, so unscaling is exact)
+
+
+def _exchange_shapes(program: Program, mine: dict, sample, dtype=None) -> dict[int, stages.Boundary]:
+    """What each stage but the last sends (a stages.Boundary: each tensor's shape and dtype as sent, in --dtype
+    for floating-point ones), learnt once: the owner runs the stage on an input of the right shapes (no grad,
+    under --dtype's autocast) and broadcasts the result to every rank, in stage order. What a stage returns
+    must be a tensor or a tuple of tensors and, when training, hold a floating-point one (the gradients flow
+    back through it): otherwise every rank stops here with the same message (bad input)."""
     shapes: dict = {}
-    in_shape, in_dtype = tuple(sample.shape), sample.dtype
+    precision = torch.autocast(sample.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
     for s in range(program.num_stages - 1):
         owner = program.stage_to_rank[s]
-        shape = None
+        found = None
         if owner == dist.get_rank():
-            x = sample if s == 0 else torch.zeros(in_shape, dtype=in_dtype, device=sample.device)
-            with torch.no_grad():
+            x = sample if s == 0 else shapes[s - 1].zeros(sample.device)
+            with torch.no_grad(), precision:
                 y = mine[s].forward(x)
-            shape = (tuple(y.shape), y.dtype)
-        shapes[s] = broadcast_object(shape, src=owner)
-        in_shape, in_dtype = shapes[s]
+            found = _boundary_problem(y, not program.forward_only)
+            if found is not None:
+                found = f"stage {s + 1}'s input {found}"
+            else:
+                found = stages.Boundary.of(stages.to_boundary(y, dtype))
+        found = broadcast_object(found, src=owner)
+        if isinstance(found, str):
+            raise PipecInputError(found)
+        shapes[s] = found
     return shapes
+
+
+def _boundary_problem(value, training: bool) -> str | None:
+    """Why `value` cannot be a stage's input (the words after "the input"), or None: it must be a tensor or a
+    tuple of tensors (the stage's positional arguments) and, when training, hold a floating-point tensor."""
+    parts = stages.tensors(value)
+    if not parts or not all(isinstance(t, torch.Tensor) for t in parts):
+        return f"is {workload.describe(value)}; what flows between stages must be a tensor or a tuple of tensors"
+    if training and not any(t.is_floating_point() for t in parts):
+        dtypes = ", ".join(str(t.dtype) for t in parts)
+        return (
+            f"holds no floating-point tensor ({dtypes}); gradients flow back only through floating-point tensors "
+            "(cut elsewhere with --partition)"
+        )
+    return None
 
 
 # --- the run: steps, per-step lines, summary, report, trace, weights ---------------------------------------
@@ -372,7 +443,7 @@ def train(program: Program, options: Options, say=print) -> dict:
     work = workload.build(options.model, options.seed)
     runner = Runner.setup(
         program, work, options.partition, options.trace is not None, options.timeout_s, options.dp, options.seed,
-        options.resume_step if options.resume else 0,
+        options.resume_step if options.resume else 0, options.dtype,
     )  # fmt: skip
     runner.check_finite = not options.allow_nonfinite
     talk = rank == 0 and not options.quiet
@@ -386,7 +457,8 @@ def train(program: Program, options: Options, say=print) -> dict:
     if talk:
         replicas = f" x {options.dp} replicas" if options.dp > 1 else ""
         shape = f"P={program.ranks} M={program.microbatches} V={program.chunks}{replicas}"
-        say(f"{program.name}: {shape}, {world} processes")
+        precision = f", --dtype {options.dtype} (autocast, float32 weights)" if options.dtype != "fp32" else ""
+        say(f"{program.name}: {shape}, {world} processes{precision}")
         say("partition:\n" + stages.describe(work.layers, runner.sizes, program.stage_to_rank))
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if options.job is not None else "0"
         if restart != "0":
@@ -582,13 +654,15 @@ def _summarise(
     comm = sum(r[2].comm_s for r in records)
     allreduce = sum(r[2].allreduce_s for r in records)
     optimizer = sum(r[2].optimizer_s for r in records)
-    # the interpreter's own cost: the loop's time outside torch's compute calls and the p2p batches
-    interpreter_s = sum(r[2].loop_s for r in records) - compute - comm
+    # the interpreter's own cost: the loop's time outside torch's compute calls and the p2p batches (the host's
+    # time in those calls, also on a GPU, where compute_s is the GPU's)
+    interpreter_s = sum(r[2].loop_s for r in records) - sum(r[2].host_compute_s for r in records) - comm
     mine = {
         "rank": rank,
         "replica": runner.replica,
         "pipeline_rank": prank,
         "compute_s": compute + optimizer,
+        "optimizer_s": optimizer,
         "comm_wait_s": comm,
         "allreduce_s": allreduce,
         "idle_s": sum(r[0] - r[2].wall_s for r in records),  # waiting for the slowest rank to finish the step
@@ -597,6 +671,8 @@ def _summarise(
         "interpreter_us_per_instruction": 1e6 * interpreter_s / max(1, instructions * len(records)),
         "peak_activations": runner.ctx.peak,
         "peak_activations_predicted": peak_activations(program)[prank],
+        "stage_ms": _stage_times([r[2].op_s for r in records]),
+        "timing": "cuda events" if runner.ctx.clock.device else "host clock",
     }
     gathered = all_gather_objects((mine, runner.trace_events() if options.trace else []))
     weights = None
@@ -606,6 +682,7 @@ def _summarise(
     samples = runner.work.batches[0][0].shape[0]  # the D replicas' micro-batches make the whole batch
     median = statistics.median(step_times) if step_times else None
     report = {
+        "format": REPORT_FORMAT,
         "schedule": program.name,
         "ranks_count": program.ranks,
         "microbatches": program.microbatches,
@@ -620,6 +697,9 @@ def _summarise(
         "samples_per_s": samples / median if median else None,
         "ranks": [g[0] for g in gathered],
     }
+    costs = measured_costs(program, [g[0] for g in gathered])
+    if costs is not None:
+        report["costs"] = costs
     if options.resume:
         report["resumed_from"] = options.resume
     if writer is not None:
@@ -632,6 +712,52 @@ def _summarise(
     return {"report": report, "weights": runner.state_dict()}
 
 
+REPORT_FORMAT = "pipec-run-report"  # lets `--cost report.json` find the measured costs (pipec.sim.costs)
+
+
+def _stage_times(steps: list[dict]) -> dict[str, dict[str, float]]:
+    """Per stage this rank runs and kind: the median over steps of the step's mean action time, in ms, leaving
+    out the first step when there are more (warm-up: allocator, caches, lazy initialisation)."""
+    kept = steps[1:] if len(steps) > 1 else steps
+    values: dict = {}
+    for op_s in kept:
+        for (stage, kind), seconds in op_s.items():
+            values.setdefault(str(stage), {}).setdefault(kind, []).append(seconds)
+    return {
+        stage: {kind: 1e3 * statistics.median(times) for kind, times in kinds.items()}
+        for stage, kinds in sorted(values.items(), key=lambda item: int(item[0]))
+    }
+
+
+def measured_costs(program: Program, ranks: list[dict]) -> dict | None:
+    """The run's measured compute costs in the cost-file format (pipec.sim.costs), in milliseconds, describing
+    the model as P consecutive segments (its stages at V=1): segment k sums stages kV .. kV+V-1, the units of
+    `--per-rank-share` and of `pipec tune`; at V=1 a segment is a stage. With replicas, the median over them.
+    Schedules with a split backward give F, I, W; those with B give F, and I = W = B / 2 (the split is not
+    measured; B = I + W is kept). Forward-only runs give F only. None without a step to measure."""
+    per_stage: dict[int, dict[str, list[float]]] = {}
+    for row in ranks:
+        for stage, kinds in row.get("stage_ms", {}).items():
+            for kind, ms in kinds.items():
+                per_stage.setdefault(int(stage), {}).setdefault(kind, []).append(ms)
+    if len(per_stage) != program.num_stages:
+        return None
+    med = {s: {k: statistics.median(v) for k, v in kinds.items()} for s, kinds in per_stage.items()}
+    if program.forward_only:
+        names = ("F",)
+    else:
+        for kinds in med.values():  # a stage run with B (or partly): its I and W halves of B
+            if "I" not in kinds or "W" not in kinds:
+                kinds["I"] = kinds["W"] = kinds.get("B", 0.0) / 2
+        names = ("F", "I", "W")
+    chunks = program.chunks
+    out = {}
+    for name in names:
+        row = [sum(med[k * chunks + c].get(name, 0.0) for c in range(chunks)) for k in range(program.ranks)]
+        out[name] = [round(v, 6) for v in row]  # ms to the nanosecond: the cost file's precision is plenty
+    return out
+
+
 def _baseline_throughput(runner: Runner, steps: int) -> float:
     """One process running the whole model forward on the full batch, as many times as the pipelined run."""
     layers = runner.work.layers
@@ -639,8 +765,10 @@ def _baseline_throughput(runner: Runner, steps: int) -> float:
     with torch.no_grad():
         for k in range(max(1, steps)):
             x = runner.work.batches[k % len(runner.work.batches)][0].to(runner.ctx.device)
+            runner.ctx.clock.finish_step()  # a GPU: time the work, not its launch (nothing on the CPU)
             start = time.perf_counter()
-            layers.to(runner.ctx.device)(x)
+            stages.run_layers(layers.to(runner.ctx.device), x)  # a tuple output: positional arguments
+            runner.ctx.clock.finish_step()
             times.append(time.perf_counter() - start)
     size = runner.work.batches[0][0].shape[0]
     return size / statistics.median(times)
@@ -798,7 +926,8 @@ def validate(program: Program, options: Options) -> Options:
         sizes = stages.partition(work.layers, program.num_stages, options.partition)
     elif len(work.layers) < program.num_stages:
         stages.optimal_partition([1.0] * len(work.layers), program.num_stages)
-    _dry_run(options.model, work, sizes, inputs[0], targets[0], training=not program.forward_only)
+    dtype = stages.compute_dtype(options.dtype)
+    _dry_run(options.model, work, sizes, inputs[0], targets[0], training=not program.forward_only, dtype=dtype)
     if not program.forward_only:
         params = [p for p in work.layers.parameters() if p.requires_grad]
         try:
@@ -891,38 +1020,39 @@ def _plan_checkpoints(program: Program, options: Options, work: workload.Workloa
     return options
 
 
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
 def _same_path(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
-def _dry_run(spec: str, work: workload.Workload, sizes, sample, target, training: bool) -> None:
-    """Every layer on one micro-batch, then the loss. What crosses a stage boundary must be one tensor (the
-    stages exchange exactly one), and, when training, a floating-point one (gradients flow back through it)."""
+def _dry_run(spec: str, work: workload.Workload, sizes, sample, target, training: bool, dtype=None) -> None:
+    """Every layer on one micro-batch, then the loss, as the stages will run them (a tuple output is the next
+    layer's positional arguments; under --dtype bf16|fp16, CPU autocast, and boundary tensors cast to it). What
+    crosses a stage boundary must be a tensor or a tuple of tensors, and, when training, hold a floating-point
+    one (gradients flow back through it). An op that the compute dtype does not support fails here."""
     starts = set(itertools.accumulate(sizes[:-1])) if sizes else set()
     x = sample
-    with torch.no_grad():
+    precision = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+    with torch.no_grad(), precision:
         for i, layer in enumerate(work.layers):
             if i in starts:
                 stage = sorted(starts).index(i) + 1
-                if not isinstance(x, torch.Tensor):
-                    raise PipecInputError(
-                        f"--model {spec}: stage {stage} starts at layer {i}, whose input is {workload.describe(x)}; "
-                        "what flows between stages must be one tensor"
-                    )
-                if training and not x.is_floating_point():
-                    raise PipecInputError(
-                        f"--model {spec}: stage {stage} starts at layer {i}, whose input is a {x.dtype} tensor; "
-                        "gradients flow back only through floating-point tensors (cut elsewhere with --partition)"
-                    )
+                problem = _boundary_problem(x, training)
+                if problem is not None:
+                    raise PipecInputError(f"--model {spec}: stage {stage} starts at layer {i}, whose input {problem}")
+                x = stages.to_boundary(x, dtype)
             try:
-                x = layer(x)
+                x = stages.call(layer, x)
             except PipecError:
                 raise
             except Exception as e:
                 shape = f"{tuple(sample.shape)} {sample.dtype}"
+                under = f" under --dtype {_DTYPE_NAMES[dtype]} (CPU autocast)" if dtype is not None else ""
                 raise PipecInputError(
                     f"--model {spec}: layer {i} ({type(layer).__name__}) fails on a micro-batch of batches[0] "
-                    f"(input {shape}): {type(e).__name__}: {str(e)[:300]}"
+                    f"(input {shape}){under}: {type(e).__name__}: {str(e)[:300]}"
                 ) from None
         try:
             loss = work.loss_fn(x, target)
@@ -933,7 +1063,7 @@ def _dry_run(spec: str, work: workload.Workload, sizes, sample, target, training
                 f"--model {spec}: loss_fn fails on the model's output ({workload.describe(x)}) and a micro-batch of "
                 f"targets ({workload.describe(target)}): {type(e).__name__}: {str(e)[:300]}"
             ) from None
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:  # (a tuple output reaches loss_fn as it is)
         raise PipecInputError(
             f"--model {spec}: loss_fn returned {workload.describe(loss)}; expected a scalar tensor (the mean)"
         )

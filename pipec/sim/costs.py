@@ -181,6 +181,10 @@ def _read_json(path: str) -> dict:
     data = parse_json(read_text(path, COST_FILE_BYTES), path, "a cost file")
     if not isinstance(data, dict):
         raise PipecInputError(f'{path}: expected a JSON object of costs such as {{"F": 1, "B": 2}}')
+    if data.get("format") == "pipec-run-report":  # `pipec run --report`: its measured costs (docs/runtime.md)
+        if not isinstance(data.get("costs"), dict):
+            raise PipecInputError(f"{path}: this pipec run report holds no measured costs (no step was measured)")
+        return data["costs"]
     return data
 
 

@@ -1,0 +1,191 @@
+"""What `pipec tune` prints and writes: the winner as a self-contained .pipe file, the ranked table, JSON.
+
+The file holds literal `rank N:` lists (docs/language.md), an explicit `placement [...]`, a `require` pinning P,
+M and V, and `memory` set to the limit in the file's own stage units (the limit X per rank share times V, so that
+`pipec check FILE --per-rank-share` reads X again). Its header comment gives the sizes, the costs and the limit
+with their units, the makespan, bubble and peak, and the best library candidate it beat. `recheck` reads the
+text back and verifies and simulates it again before anything is written.
+"""
+
+from __future__ import annotations
+
+import shlex
+from fractions import Fraction
+
+from pipec.compiler import compute_orders
+from pipec.emit import dump_text
+from pipec.errors import PipecError
+from pipec.tune.search import OK, Candidate, TuneResult, evaluate
+
+UNITS = "per-rank-share"
+
+
+def schedule_text(result: TuneResult, cost_arg: str, output: str = "best.pipe") -> str:
+    """The winner as a .pipe file (the result must have a best candidate). `cost_arg` is --cost as given, for
+    the `pipec check` line of the header; `output` the file's name there."""
+    best, setting = result.best, result.setting
+    assert best is not None and best.program is not None and best.makespan is not None
+    program = best.program
+    p, m, v = program.ranks, program.microbatches, program.chunks
+    stage_limit = Fraction(str(setting.limit)) * v
+    check = ["pipec", "check", output, "--per-rank-share", "--cost", cost_arg, "--memory-limit", f"{setting.limit:g}"]
+    if setting.costs.input_fraction != 0.5:
+        check += ["--input-fraction", f"{setting.costs.input_fraction:g}"]
+    activation = setting.costs.activation
+    if activation is not None:  # pipec check reads activation sizes from --stage-sizes, not from --cost
+        sizes = activation if isinstance(activation, tuple) else (activation,) * p
+        check += ["--stage-sizes", ",".join(f"{x:g}" for x in sizes)]
+    lines = [
+        f"# pipec tune: P={p} M={m} V={v}, send/recv placed for these costs, verified and simulated (nccl model)",
+        f"# costs per rank share of the model (one segment of P; a stage of V chunks takes 1/V): "
+        f"{setting.costs.describe()}",
+        f"# memory limit: {setting.limit:g} activation units per rank, in micro-batches of one rank's share "
+        f"({_fraction(stage_limit)} in this file's stage units)",
+        f"# makespan {best.makespan:g}, bubble {best.bubble:.4f}, peak memory {best.peak:g} per rank share",
+        f"# found: {_origin(best)}",
+        f"# {_beat(best, result.library_best)}",
+        f"# check: {shlex.join(check)}",
+        f'schedule tuned "tuned by pipec tune for P={p}, M={m}, V={v}: makespan {best.makespan:g}"',
+        f"params P = {p}, M = {m}, V = {v}",
+        f'require P == {p} and M == {m} and V == {v}, "tuned for P = {p}, M = {m}, V = {v}: run pipec tune again '
+        'for other sizes"',
+        f"stages {p * v}",
+        "placement [" + ", ".join(str(r) for r in program.stage_to_rank) + "]",
+        f"memory {_fraction(stage_limit)}",
+        "",
+    ]
+    orders = program.with_streams(program.compute_streams(), has_comms=False)
+    return "\n".join(lines) + dump_text(orders)
+
+
+def recheck(text: str, result: TuneResult) -> None:
+    """Compile the file's text as a user would and judge it as tune did: it must verify and match the winner."""
+    best = result.best
+    assert best is not None
+    try:
+        again = evaluate("tuned", (), compute_orders(text), result.setting)
+    except PipecError as e:
+        raise PipecError(f"pipec tune: its own output does not compile: {e.message}") from None
+    if again.verdict != OK or again.makespan is None or abs(again.makespan - (best.makespan or 0)) > 1e-6:
+        raise PipecError(
+            f"pipec tune: its own output does not check as found ({again.verdict} {again.reason}, makespan "
+            f"{again.makespan} against {best.makespan}); this is a bug in pipec"
+        )
+
+
+def table_text(result: TuneResult) -> str:
+    """The ranked table: ok candidates by makespan, then peak, then name; then the rest as tried."""
+    rows = [("#", "name", "params", "V", "makespan", "bubble", "peak", "verdict")]
+    for index, c in enumerate(result.candidates, 1):
+        params = " ".join(f"{k}={v}" for k, v in c.params) + (f" +{c.moves} moves" if c.moves else "")
+        verdict = c.verdict if c.ok or not c.reason else f"{c.verdict}: {_short(c.reason)}"
+        rows.append(
+            (
+                str(index) if c.ok else "-",
+                c.name,
+                params.strip() or "-",
+                str(c.chunks) if c.chunks else "-",
+                _num(c.makespan),
+                "-" if c.bubble is None else f"{c.bubble:.4f}",
+                _num(c.peak),
+                verdict,
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    return "".join(
+        "  ".join(
+            cell.rjust(w) if i in (0, 3, 4, 5, 6) else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(row[:-1], widths, strict=True))
+        )
+        + "  "
+        + row[-1]
+        + "\n"
+        for row in rows
+    )
+
+
+def summary_text(result: TuneResult, output: str | None) -> str:
+    best, s = result.best, result.setting
+    assert best is not None
+    lines = [
+        f"best: {best.label()}{f' +{best.moves} moves' if best.moves else ''}: makespan {best.makespan:g}, "
+        f"bubble {best.bubble:.4f}, peak {best.peak:g} of limit {s.limit:g} (units per rank share)",
+        _beat(best, result.library_best),
+    ]
+    if not result.complete:
+        lines.append("the time budget ended the search early (--time-budget): a longer one may find better")
+    if output is not None:
+        lines.append(f"wrote {output}")
+    return "\n".join(lines) + "\n"
+
+
+def candidates_json(result: TuneResult, text: str | None) -> dict:
+    best, s = result.best, result.setting
+    lib = result.library_best
+    return {
+        "ranks": s.ranks,
+        "microbatches": s.microbatches,
+        "costs": s.costs.describe(),
+        "memory_limit": s.limit,
+        "units": UNITS,
+        "makespan": None if best is None else best.makespan,
+        "bubble_fraction": None if best is None else best.bubble,
+        "peak_memory": None if best is None else best.peak,
+        "chunks": None if best is None else best.chunks,
+        "name": None if best is None else best.name,
+        "params": None if best is None else dict(best.params),
+        "moves": None if best is None else best.moves,
+        "schedule": text,
+        "library_best": None
+        if lib is None
+        else {
+            "name": lib.name,
+            "params": dict(lib.params),
+            "chunks": lib.chunks,
+            "makespan": lib.makespan,
+            "peak_memory": lib.peak,
+        },
+        "complete": result.complete,
+        "candidates": [_candidate_json(c) for c in result.candidates],
+    }
+
+
+def _candidate_json(c: Candidate) -> dict:
+    return {
+        "name": c.name,
+        "params": dict(c.params),
+        "chunks": c.chunks,
+        "moves": c.moves,
+        "makespan": c.makespan,
+        "bubble_fraction": c.bubble,
+        "peak_memory": c.peak,
+        "verdict": c.verdict,
+        "reason": c.reason,
+    }
+
+
+def _origin(c: Candidate) -> str:
+    phase = {1: "a library schedule", 2: "list scheduling under the costs", 3: "local moves"}[c.phase]
+    moves = f" + {c.moves} local moves" if c.moves else ""
+    return f"{c.label()}{moves} ({phase})"
+
+
+def _beat(best: Candidate, library: Candidate | None) -> str:
+    if library is None:
+        return "beat: no library schedule fits this limit"
+    shown = f"{library.label()}, makespan {library.makespan:g}, peak {library.peak:g}"
+    if best.makespan is not None and library.makespan is not None and best.makespan < library.makespan - 1e-9:
+        return f"beat: {shown} (the best library candidate)"
+    return f"best library candidate: {shown} (not beaten)"
+
+
+def _fraction(x: Fraction) -> str:
+    return str(x.numerator) if x.denominator == 1 else f"{x.numerator} / {x.denominator}"
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:g}"
+
+
+def _short(text: str, width: int = 70) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."

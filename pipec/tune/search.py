@@ -1,0 +1,317 @@
+"""The search of `pipec tune`: evaluate candidates, rank them, improve the best by local moves.
+
+Every candidate is judged the same way before it can win (`evaluate`): send/recv placed for the user's costs
+(pipec.compiler.place_p2p, in the schedule's stage units after per_rank_share), then the full verifier
+(structure, p2p order, deadlock under nccl, memory within the limit with the share stage sizes), then the
+simulator under nccl. Verdicts: ok, over-memory, invalid (a failed check), error (it does not compile) and
+skipped. Only ok candidates rank: makespan, then peak memory, then name.
+
+Phases: 1, every library schedule and `--from` file over its V and parameters (always completes, so tune is never
+worse than the library); 2, list-scheduled orders (pipec.passes.list_schedule) under the costs and the limit, for
+each V of `--chunks` and placement loop or v; 3, local moves on the best few orders (move one W past a neighbour
+on its rank, either way, or pull one F earlier), a move kept when the result verifies, fits, is not slower and
+moves work earlier (the makespan, then the sum of the ops' end times, decreases: plateaus of the makespan are
+common, and crossing them is what finds the faster orders), in a seeded order, first improvement, until no move
+helps or the time budget runs out.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from pipec.compiler import compute_orders, place_p2p
+from pipec.errors import PipecError
+from pipec.ir import Action, Kind, Program, activation_deltas
+from pipec.sim.costs import Costs, per_rank_share
+from pipec.sim.simulate import simulate
+from pipec.tune.greedy import listed_orders
+from pipec.tune.space import Draw, draws
+from pipec.verify import verify
+from pipec.verify.memory import memory_profile, share_stage_sizes
+
+OK, OVER, INVALID, ERROR, SKIPPED = "ok", "over-memory", "invalid", "error", "skipped"
+KEEP = 3  # phase 3 improves this many of the best distinct orders
+_EPSILON = 1e-9  # the verifier's memory tolerance, and a makespan gain below it is no gain
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What tune fits schedules to: sizes, costs and the memory limit, all per rank share of the model."""
+
+    ranks: int
+    microbatches: int
+    costs: Costs  # per rank share (F, I, W of one segment of P)
+    limit: float  # activation units per rank (micro-batches of one rank's share)
+    chunks: tuple[int, ...]
+
+    def stage_costs(self, chunks: int) -> Costs:
+        return per_rank_share(self.costs, self.ranks, chunks)
+
+    def stage_sizes(self, chunks: int) -> tuple[float, ...]:
+        return share_stage_sizes(self.segment_sizes(), self.ranks, chunks)
+
+    def segment_sizes(self) -> Sequence[float] | None:
+        """Activation units of one micro-batch per segment (None: 1 each), from the costs' `activation`."""
+        activation = self.costs.activation
+        if activation is None:
+            return None
+        return activation if isinstance(activation, tuple) else (activation,) * self.ranks
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    params: tuple[tuple[str, int], ...]
+    chunks: int
+    makespan: float | None
+    bubble: float | None
+    peak: float | None  # the largest per-rank peak, in share units
+    verdict: str
+    reason: str = ""
+    program: Program | None = None  # with send/recv, when evaluated
+    moves: int = 0  # local moves applied (phase 3)
+    phase: int = 1
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict == OK
+
+    def key(self) -> tuple:
+        return (self.makespan, self.peak, self.name, self.params, self.chunks, self.moves)
+
+    def label(self) -> str:
+        params = " ".join(f"{k}={v}" for k, v in self.params)
+        return f"{self.name}{' ' + params if params else ''} V={self.chunks}"
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    setting: Setting
+    candidates: tuple[Candidate, ...]  # ok ones ranked first, then the rest in the order tried
+    best: Candidate | None
+    library_best: Candidate | None  # the best phase-1 candidate (library and --from files)
+    complete: bool  # False when the time budget cut phase 2 or 3
+
+
+def evaluate(name: str, params: tuple[tuple[str, int], ...], orders: Program, setting: Setting, **extra) -> Candidate:
+    """Place, verify and simulate one compute order (module docstring)."""
+    v = orders.chunks
+    base = Candidate(name, params, v, None, None, None, ERROR, **extra)
+    if orders.ranks != setting.ranks or orders.microbatches != setting.microbatches:
+        return replace(base, reason=f"compiled for P={orders.ranks} M={orders.microbatches}, not the run's")
+    if orders.num_stages != orders.ranks * v:
+        return replace(base, reason=f"{orders.num_stages} stages, not P*V = {orders.ranks * v}")
+    try:
+        costs = setting.stage_costs(v)
+        sizes = setting.stage_sizes(v)
+        program = place_p2p(orders, costs)
+        report = verify(program, "nccl", setting.limit, setting.costs.input_fraction, sizes)
+    except PipecError as e:
+        return replace(base, reason=e.message.splitlines()[0])
+    peak = max(report.peak_memory, default=0.0)
+    failed = [verdict for verdict in report.verdicts if not verdict.ok]
+    if any(verdict.name != "memory" for verdict in failed):
+        first = failed[0]
+        line = (first.explanation or first.note).strip().splitlines()
+        return replace(base, peak=peak, verdict=INVALID, reason=f"{first.name}: {line[0] if line else 'failed'}")
+    try:
+        sim = simulate(program, costs, p2p="nccl")
+    except PipecError as e:
+        return replace(base, peak=peak, verdict=INVALID, reason=e.message.splitlines()[0])
+    verdict = OVER if failed else OK
+    reason = f"peak {peak:g} > limit {setting.limit:g}" if failed else ""
+    return replace(
+        base,
+        makespan=sim.makespan,
+        bubble=sim.bubble_fraction,
+        peak=peak,
+        verdict=verdict,
+        reason=reason,
+        program=program,
+    )
+
+
+def tune(
+    setting: Setting,
+    sources: Sequence[tuple[str, str]],
+    time_budget: float = 60.0,
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> TuneResult:
+    """Phases 1 to 3 (module docstring). Phase 1 always completes; `time_budget` seconds, counted from the start,
+    bound the others."""
+    start = time.monotonic()
+    deadline = start + time_budget
+    say = progress or (lambda text: None)
+    tried: list[Candidate] = []
+
+    best: list[Candidate] = []  # the best ok candidate so far, for the progress line
+
+    def note(candidate: Candidate, phase: str, keep: bool = True) -> None:
+        if keep:
+            tried.append(candidate)
+        if candidate.ok and (not best or candidate.key() < best[0].key()):
+            best[:] = [candidate]
+        shown = f"best {best[0].makespan:g} ({best[0].label()})" if best else "nothing fits yet"
+        say(f"tune: {phase}: {len(tried)} candidates, {shown}, {time.monotonic() - start:.1f} s of {time_budget:g} s")
+
+    for draw in draws(sources, setting.ranks, setting.microbatches, setting.chunks, setting.limit, seed):
+        note(_from_draw(draw, setting), "library")
+    library_best = min((c for c in tried if c.ok), key=Candidate.key, default=None)
+
+    complete = True
+    for name, v, orders in listed_orders(setting):
+        if time.monotonic() > deadline:
+            complete = False
+            break
+        if isinstance(orders, str):
+            note(Candidate(name, (), v, None, None, None, ERROR, orders, phase=2), "list scheduling")
+        else:
+            note(evaluate(name, (), orders, setting, phase=2), "list scheduling")
+
+    starts = _distinct_best(tried, KEEP)
+    for index, candidate in enumerate(starts):
+        rng = random.Random(seed * 1009 + index)
+        # an equal share of the time left to each start; one that ends early leaves its rest to the next
+        share = max(0.0, deadline - time.monotonic()) / (len(starts) - index)
+        until = min(deadline, time.monotonic() + share)
+        improved, finished = improve(candidate, setting, until, rng, lambda c: note(c, "local moves", keep=False))
+        complete = complete and finished
+        if improved is not candidate:
+            note(improved, "local moves")
+    ranked = sorted((c for c in tried if c.ok), key=Candidate.key)
+    rest = [c for c in tried if not c.ok]
+    return TuneResult(setting, (*ranked, *rest), ranked[0] if ranked else None, library_best, complete)
+
+
+def _from_draw(draw: Draw, setting: Setting) -> Candidate:
+    if draw.problem:
+        verdict = SKIPPED if draw.skipped else ERROR
+        return Candidate(draw.name, draw.params, draw.chunks, None, None, None, verdict, draw.problem)
+    try:
+        if draw.choose:  # a cost-aware schedule is list-scheduled under the costs and the limit, per rank share
+            orders = compute_orders(
+                draw.source,
+                setting.ranks,
+                setting.microbatches,
+                draw.chunks,
+                dict(draw.params),
+                costs=setting.costs,
+                input_fraction=setting.costs.input_fraction,
+                stage_sizes=setting.segment_sizes(),
+                per_rank_share=True,  # its own `memory` (its `limit` parameter, within X: see space.py) binds it
+            )
+        else:
+            orders = compute_orders(draw.source, setting.ranks, setting.microbatches, draw.chunks, dict(draw.params))
+    except PipecError as e:
+        return Candidate(draw.name, draw.params, draw.chunks, None, None, None, ERROR, e.message.splitlines()[0])
+    return evaluate(draw.name, draw.params, orders, setting)
+
+
+def _distinct_best(candidates: Sequence[Candidate], count: int) -> list[Candidate]:
+    """The best `count` ok candidates with different compute orders."""
+    out: list[Candidate] = []
+    seen: set = set()
+    for c in sorted((c for c in candidates if c.ok), key=Candidate.key):
+        assert c.program is not None
+        streams = c.program.compute_streams()
+        if streams in seen:
+            continue
+        seen.add(streams)
+        out.append(c)
+        if len(out) == count:
+            break
+    return out
+
+
+# ---- phase 3: local moves ------------------------------------------------------------------------------------------
+
+
+def improve(
+    start: Candidate,
+    setting: Setting,
+    deadline: float,
+    rng: random.Random,
+    on_try: Callable[[Candidate], None] | None = None,
+) -> tuple[Candidate, bool]:
+    """First-improvement local search from `start`'s order. Returns (the best candidate, whether it stopped at a
+    local optimum rather than at the deadline)."""
+    assert start.program is not None and start.makespan is not None
+    orders = start.program.with_streams(start.program.compute_streams(), has_comms=False)
+    v = orders.chunks
+    costs = setting.stage_costs(v)
+    sizes = setting.stage_sizes(v)
+    deltas = activation_deltas(setting.costs.input_fraction)
+    streams = [list(s) for s in orders.streams]
+    best, moves = start, 0
+    # None when only the default placement runs this order (place_p2p chose it): any trial that runs is progress
+    current = _quick_score(orders, costs) or (start.makespan, math.inf)
+    while True:
+        options = _moves(streams)
+        rng.shuffle(options)
+        for rank, i in options:
+            if time.monotonic() > deadline:
+                return best, False
+            stream = streams[rank]
+            a, b = stream[i], stream[i + 1]
+            live = memory_profile(stream[:i], setting.costs.input_fraction, sizes)
+            between = (live[-1] if live else 0.0) + deltas[b.kind] * sizes[b.stage]
+            if between > setting.limit + _EPSILON:
+                continue
+            stream[i], stream[i + 1] = b, a
+            trial = orders.with_streams(tuple(map(tuple, streams)), has_comms=False)
+            score = _quick_score(trial, costs)
+            if score is not None and _better(score, current):
+                found = evaluate(start.name, start.params, trial, setting, moves=moves + 1, phase=3)
+                if on_try is not None:
+                    on_try(found)
+                if found.ok and found.makespan <= best.makespan + _EPSILON:  # type: ignore[operator]
+                    current, moves = score, moves + 1
+                    if found.makespan < best.makespan - _EPSILON:  # type: ignore[operator]
+                        best = found
+                    break
+            stream[i], stream[i + 1] = a, b
+        else:
+            return best, True
+
+
+def _moves(streams: Sequence[Sequence]) -> list[tuple[int, int]]:
+    """(rank, i): swap ops i and i+1 of the rank, where that moves a W either way or pulls an F earlier, and the
+    two are not the same micro-batch of one stage (an order their data fixes)."""
+    out = []
+    for rank, stream in enumerate(streams):
+        for i in range(len(stream) - 1):
+            a, b = stream[i], stream[i + 1]
+            if type(a) is not Action or type(b) is not Action:
+                continue
+            if a.stage == b.stage and a.mb == b.mb:
+                continue
+            if a.kind is Kind.W or b.kind is Kind.W or b.kind is Kind.F:
+                out.append((rank, i))
+    return out
+
+
+def _quick_score(orders: Program, costs: Costs) -> tuple[float, float] | None:
+    """(makespan, the sum of every compute op's end time) under nccl with send/recv placed for the costs (the timed
+    placement only: place_p2p may still pick the default one, only ever faster), or None when the order does not
+    run. The second term breaks the plateaus of the makespan: a move that lets work end sooner without delaying
+    the last op is progress, and the pair strictly decreases, so the search ends."""
+    from pipec.passes.p2p import insert_p2p_ops
+
+    try:
+        sim = simulate(insert_p2p_ops(orders, costs), costs, p2p="nccl", record=True)
+    except PipecError:
+        return None
+    return sim.makespan, sum(op.end for line in sim.timeline for op in line if not op.is_comm)
+
+
+def _better(score: tuple[float, float], than: tuple[float, float]) -> bool:
+    if score[0] < than[0] - _EPSILON:
+        return True
+    return abs(score[0] - than[0]) <= _EPSILON and score[1] < than[1] - _EPSILON

@@ -1,0 +1,106 @@
+"""Devices: which backend `pipec run` picks (a pure function, tested on any machine), what it says and refuses,
+and NCCL runs where GPUs are visible: P=1 whenever CUDA is (the schedule's weights equal one process's, and the
+report's timings are CUDA events), P=2 with two GPUs, fewer GPUs than ranks falling back to gloo. Tests that
+need GPUs skip, saying how many they need and found."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import gpu_count, needs_gpus
+from test_runtime import assert_same_weights, reference
+
+from pipec.cli import main as cli_main
+from pipec.errors import PipecInputError
+from pipec.runtime.launch import choose_backend
+
+TESTS = Path(__file__).parent
+
+
+@pytest.mark.parametrize(
+    ("requested", "cuda", "gpus", "processes", "backend"),
+    [
+        (None, False, 0, 4, "gloo"),  # no CUDA: gloo, nothing to say
+        (None, True, 4, 4, "nccl"),  # a GPU per process
+        (None, True, 8, 2, "nccl"),
+        (None, True, 1, 1, "nccl"),
+        ("gloo", True, 1, 4, "gloo"),  # asked for: no note
+        ("gloo", True, 8, 4, "gloo"),
+        ("nccl", True, 4, 4, "nccl"),
+    ],
+)
+def test_backend_choice(requested: str | None, cuda: bool, gpus: int, processes: int, backend: str) -> None:
+    assert choose_backend(requested, cuda, gpus, processes) == (backend, None)
+
+
+def test_fewer_gpus_than_processes_falls_back_to_gloo_and_says_so_in_one_line() -> None:
+    backend, note = choose_backend(None, True, 1, 4)
+    assert backend == "gloo"
+    assert note is not None and "\n" not in note
+    assert "4 processes but 1 GPU:" in note and "gloo" in note
+    assert "2 GPUs" in choose_backend(None, True, 2, 4)[1]  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(("cuda", "gpus", "found"), [(True, 1, "found 1"), (False, 0, "CUDA is not available")])
+def test_explicit_nccl_without_enough_gpus_is_bad_input(cuda: bool, gpus: int, found: str) -> None:
+    with pytest.raises(PipecInputError) as caught:
+        choose_backend("nccl", cuda, gpus, 4)
+    assert "--backend nccl needs 4 GPUs" in caught.value.message and found in caught.value.message
+
+
+@pytest.mark.skipif(gpu_count() >= 2, reason="this machine could run it: the refusal needs fewer than 2 GPUs")
+def test_cli_refuses_nccl_it_cannot_run(capsys: pytest.CaptureFixture) -> None:
+    code = cli_main(["run", "1f1b", "-P", "2", "-M", "4", "--model", "workloads:mlp", "--backend", "nccl"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--backend nccl needs 2 GPUs" in err and "Traceback" not in err
+
+
+def run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run(
+        [sys.executable, "-m", "pipec", "run", *command], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+@needs_gpus(1)
+@pytest.mark.parametrize(("schedule", "chunks"), [("1f1b", 1), ("zbv", 2), ("interleaved_zb", 2)])
+def test_one_rank_on_nccl_trains_like_one_process(tmp_path: Path, schedule: str, chunks: int) -> None:
+    done = run(
+        [schedule, "-P", "1", "-M", "4", "-V", str(chunks), "--model", "workloads:mlp", "--steps", "2",
+         "--backend", "nccl", "--save", "w.pt", "--report", "r.json", "--trace", "t.json"],
+        tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    expected, losses = reference("mlp")
+    assert_same_weights(torch.load(tmp_path / "w.pt", map_location="cpu"), expected)
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["losses"] == pytest.approx(losses, abs=1e-5)
+    rank = report["ranks"][0]
+    assert rank["timing"] == "cuda events"
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    traced = sum(e["dur"] for e in events if e["ph"] == "X" and e["cat"] in "FBIW") / 1e6
+    assert traced == pytest.approx(rank["compute_s"] - rank["optimizer_s"], rel=1e-3)
+
+
+@needs_gpus(2)
+def test_two_ranks_on_nccl_train_like_one_process(tmp_path: Path) -> None:
+    done = run(["1f1b", "-P", "2", "-M", "4", "--model", "workloads:mlp", "--steps", "2", "--save", "w.pt"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "note:" not in done.stdout  # a GPU per rank: NCCL, nothing to say
+    assert_same_weights(torch.load(tmp_path / "w.pt", map_location="cpu"), reference("mlp")[0])
+
+
+@needs_gpus(1)
+def test_more_ranks_than_gpus_run_on_gloo_and_say_so(tmp_path: Path) -> None:
+    ranks = gpu_count() + 1
+    done = run(["1f1b", "-P", str(ranks), "-M", "4", "--model", "workloads:mlp", "--steps", "1"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    notes = [line for line in done.stdout.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "running on gloo" in notes[0], done.stdout

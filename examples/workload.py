@@ -60,6 +60,12 @@ def transformer_like(hidden: int = 64, blocks: int = 8, vocab: int = 100, seq: i
     )
 
 
+def heavy_last_transformer() -> SimpleNamespace:
+    """`transformer_like` with 10 blocks: `--partition 3,2,2,6` gives stages of 2, 2, 2 and 4 blocks, a last stage
+    twice as heavy as the others (docs/tuning.md tunes a schedule for it)."""
+    return transformer_like(hidden=128, blocks=10, seq=32, batch=64)
+
+
 def rotate(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
     """Rotary position embedding (RoPE): each pair of channels of x (batch, heads, seq, dim) turned by an angle
     proportional to the token's integer position (positions: (batch, seq))."""

@@ -152,3 +152,37 @@ def test_output_may_not_replace_a_from_file(tmp_path: Path) -> None:
     )
     assert code == 2 and "mine.pipe" in err
     assert mine.read_text() == (ROOT / "tests" / "zbv_limited.pipe").read_text()
+
+
+@pytest.mark.parametrize("when, shown", [("always", True), ("never", False), ("auto", False)])
+def test_progress_lines_after_two_seconds_when_asked(when: str, shown: bool, tmp_path: Path) -> None:
+    """A search longer than 2 s reports on stderr: always, never, or (auto) only on a terminal; the captured
+    stderr of this test is not one."""
+    argv = ["tune", "-P", "8", "-M", "24", "--cost", COST, "--memory-limit", "8", "--chunks", "1"]
+    code, out, err = run_main([*argv, "--time-budget", "4", "--progress", when], tmp_path)
+    assert code == 0 and "best:" in out
+    lines = [line for line in err.splitlines() if line.startswith("tune: ")]
+    assert bool(lines) == shown, err
+    assert all("candidates, best" in line for line in lines)
+
+
+def test_the_tuning_walkthroughs_partitions_make_a_last_stage_twice_as_heavy() -> None:
+    """docs/tuning.md's workload: `--partition 3,2,2,6` gives stages of 2, 2, 2, 4 blocks (parameters as a proxy
+    of work), and `2,1,1,1,1,1,2,4` cuts each of those segments in two for V = 2 (stages 2k and 2k + 1 make
+    segment k)."""
+    from pipec.runtime.stages import parse_partition
+    from pipec.runtime.workload import build
+
+    layers = list(build(f"{ROOT / 'examples' / 'workload.py'}:heavy_last_transformer", seed=0).layers)
+
+    def stage_params(text: str, stages: int) -> list[int]:
+        sizes, start, out = parse_partition(text, len(layers), stages), 0, []
+        for size in sizes:
+            out.append(sum(p.numel() for layer in layers[start : start + size] for p in layer.parameters()))
+            start += size
+        return out
+
+    one = stage_params("3,2,2,6", 4)
+    assert all(1.8 < one[3] / part < 2.3 for part in one[1:3]), one
+    two = stage_params("2,1,1,1,1,1,2,4", 8)
+    assert [two[2 * k] + two[2 * k + 1] for k in range(4)] == one

@@ -74,6 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=integer, default=0, metavar="S", help="seed of sampling and local moves")
     parser.add_argument("--format", choices=("text", "json"), default="text", help="text (default) or json")
     parser.add_argument("-o", "--output", metavar="best.pipe", help="write the best schedule here (atomically)")
+    parser.add_argument(
+        "--progress",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="progress lines on stderr for searches over 2 s: auto (default: when stderr is a terminal), always, never",
+    )
 
 
 def chunk_list(text: str) -> tuple[int, ...]:
@@ -108,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     sources = library_sources() + [(path, path) for path in args.sources]
     # the budget is for the whole command: start-up, the final re-check and the output take about a second
     search_budget = max(0.0, args.time_budget - min(OUTPUT_RESERVE, args.time_budget / 10))
-    result = tune(setting, sources, search_budget, args.seed, _Progress())
+    result = tune(setting, sources, search_budget, args.seed, _Progress(args.progress))
     if result.best is None:
         peaks = [c for c in result.candidates if c.peak is not None]
         smallest = min(peaks, key=lambda c: c.peak, default=None)  # type: ignore[arg-type, return-value]
@@ -132,15 +138,16 @@ def run(args: argparse.Namespace) -> int:
 class _Progress:
     """Progress lines on stderr: none for the first PROGRESS_AFTER seconds, then at most one a PROGRESS_EVERY; only
     to a terminal, so that a script's captured stderr holds errors only (and what it prints does not depend on
-    how busy the machine was)."""
+    how busy the machine was); `--progress always` shows them in logs too."""
 
-    def __init__(self) -> None:
+    def __init__(self, when: str = "auto") -> None:
         self.start = time.monotonic()
         self.last = self.start + PROGRESS_AFTER - PROGRESS_EVERY
         try:
-            self.shown = sys.stderr is not None and sys.stderr.isatty()
+            terminal = sys.stderr is not None and sys.stderr.isatty()
         except (AttributeError, ValueError):  # a closed or replaced stream
-            self.shown = False
+            terminal = False
+        self.shown = when == "always" or (when == "auto" and terminal)
 
     def __call__(self, line: str) -> None:
         now = time.monotonic()

@@ -9,7 +9,8 @@
 
 Costs and the limit are per rank share of the model (docs/simulator.md, `--per-rank-share`), so candidates of
 different V compare. `space` draws the library's candidates, `greedy` list-schedules orders under the costs,
-`search` verifies, ranks and improves them, `output` writes the winner as a self-contained .pipe file.
+`exact` searches them exactly at small sizes, `search` verifies, ranks and improves them, `output` writes the
+winner as a self-contained .pipe file.
 """
 
 from pipec.tune.output import candidates_json, schedule_text, table_text

@@ -165,9 +165,10 @@ def _candidate_json(c: Candidate) -> dict:
 
 
 def _origin(c: Candidate) -> str:
-    phase = {1: "a library schedule", 2: "list scheduling under the costs", 3: "local moves"}[c.phase]
+    phase = {1: "a library schedule", 2: "list scheduling under the costs", 3: "local moves", 4: "an exact search"}
+    origin = phase[c.phase]
     moves = f" + {c.moves} local moves" if c.moves else ""
-    return f"{c.label()}{moves} ({phase})"
+    return f"{c.label()}{moves} ({origin})"
 
 
 def _beat(best: Candidate, library: Candidate | None) -> str:

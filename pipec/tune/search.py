@@ -8,9 +8,10 @@ skipped. Only ok candidates rank: makespan, then peak memory, then name.
 
 Phases: 1, every library schedule and `--from` file over its V and parameters (always completes, so tune is never
 worse than the library); 2, list-scheduled orders (pipec.passes.list_schedule) under the costs and the limit, for
-each V of `--chunks` and placement loop or v; 3, local moves on the best few orders (move one W past a neighbour
-on its rank, either way, or pull one F earlier), a move kept when the result verifies, fits, is not slower and
-moves work earlier (the makespan, then the sum of the ops' end times, decreases: plateaus of the makespan are
+each V of `--chunks` and placement loop or v; 4, for small sizes (3·P·M·V <= 64), an exact search of the orders
+(pipec.tune.exact), given at most half of the time left; 3, local moves on the best few orders (move one W past
+a neighbour on its rank, either way, or pull one F earlier), a move kept when the result verifies, fits, is not
+slower and moves work earlier (the makespan, then the sum of the ops' end times, decreases: plateaus of the makespan are
 common, and crossing them is what finds the faster orders), in a seeded order, first improvement, until no move
 helps or the time budget runs out.
 """
@@ -28,6 +29,7 @@ from pipec.errors import PipecError
 from pipec.ir import Action, Kind, Program, activation_deltas
 from pipec.sim.costs import Costs, per_rank_share
 from pipec.sim.simulate import simulate
+from pipec.tune.exact import ExactResult, exact_candidates
 from pipec.tune.greedy import listed_orders
 from pipec.tune.space import Draw, draws
 from pipec.verify import verify
@@ -96,7 +98,7 @@ class TuneResult:
     candidates: tuple[Candidate, ...]  # ok ones ranked first, then the rest in the order tried
     best: Candidate | None
     library_best: Candidate | None  # the best phase-1 candidate (library and --from files)
-    complete: bool  # False when the time budget cut phase 2 or 3
+    complete: bool  # False when the time budget cut phase 2, 3 or 4
 
 
 def evaluate(name: str, params: tuple[tuple[str, int], ...], orders: Program, setting: Setting, **extra) -> Candidate:
@@ -175,6 +177,13 @@ def tune(
         else:
             note(evaluate(name, (), orders, setting, phase=2), "list scheduling")
 
+    # phase 4, for small sizes: the exact search (exact.py), before the local moves so that they start from it too;
+    # it takes at most half of the time left
+    until = time.monotonic() + max(0.0, deadline - time.monotonic()) / 2
+    for name, v, found in exact_candidates(setting, until):
+        note(_from_exact(name, v, found, setting), "exact search")
+        complete = complete and (isinstance(found, str) or found.optimal)  # a skip is no budget cut
+
     starts = _distinct_best(tried, KEEP)
     for index, candidate in enumerate(starts):
         rng = random.Random(seed * 1009 + index)
@@ -212,6 +221,18 @@ def _from_draw(draw: Draw, setting: Setting) -> Candidate:
     except PipecError as e:
         return Candidate(draw.name, draw.params, draw.chunks, None, None, None, ERROR, e.message.splitlines()[0])
     return evaluate(draw.name, draw.params, orders, setting)
+
+
+def _from_exact(name: str, v: int, found: ExactResult | str, setting: Setting) -> Candidate:
+    if isinstance(found, str):
+        return Candidate(name, (), v, None, None, None, SKIPPED, found, phase=4)
+    if found.orders is None:
+        why = "no order fits the limit" if found.optimal else "the time budget ended before an order was found"
+        return Candidate(name, (), v, None, None, None, ERROR if found.optimal else SKIPPED, why, phase=4)
+    candidate = evaluate(name, (), found.orders, setting, phase=4)
+    if candidate.ok and not found.optimal:
+        return replace(candidate, reason="not proved optimal: the time budget ended the search")
+    return candidate
 
 
 def _distinct_best(candidates: Sequence[Candidate], count: int) -> list[Candidate]:

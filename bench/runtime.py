@@ -8,9 +8,10 @@ micro-batches of 32 rows. torch's GPipe, 1F1B, Interleaved1F1B and InterleavedZe
 gpipe, 1f1b, interleaved_1f1b and interleaved_zb on the same stage split (V=2 for the interleaved ones), in
 alternating rounds inside the same 4 processes (one thread each). A step is zero_grad + the schedule + the
 optimizer step; its time is the slowest rank's. Printed: median step times, the pipec/torch ratio, and pipec's
-interpreter cost per instruction: "loop" is the loop's time outside torch's compute calls and p2p calls (posting
-batches, waiting for them; the rest is dict bookkeeping, receive buffers, freeing tensors), "dispatch" the bare
-loop with no-op handlers.
+interpreter cost per instruction: "loop" is the loop's time outside torch's compute calls (freeing a
+micro-batch's autograd graph included: torch's own runtime pays that in its backward too) and p2p calls (posting
+batches, waiting for them, freeing their Work objects), what is left being the interpreter's own work: the plan
+and dict bookkeeping, receive buffers, the handlers' Python; "dispatch" the bare loop with no-op handlers.
 """
 
 from __future__ import annotations

@@ -15,7 +15,10 @@ Live activations are counted from `saved` and `partial` after every compute inst
 `peak_activations` of the verifier, since both follow the same stream.
 
 Point-to-point rule, version 2 (the one the verifier proves deadlock-free): a maximal run of consecutive
-SEND/RECV instructions is one batch, posted with one `batch_isend_irecv` call in stream order, without waiting.
+SEND/RECV instructions is one batch, posted with one `batch_isend_irecv` call in stream order, without waiting
+(on a backend without coalescing, gloo, that call is each op's isend/irecv in turn, so the interpreter makes
+those calls on the process group itself: the same calls in the same order, without the Python checks and the
+P2POp objects, see `Context.direct`).
 A compute instruction first waits for the batches holding the receives it consumes (RECV_F(s, m) before
 F(s, m), RECV_B(s, m) before B/I(s, m)); nothing waits for a send until the end of the step, where every
 outstanding batch is waited for in posting order (before the optimizer step). A posted batch keeps its send
@@ -24,6 +27,13 @@ issue order, as NCCL matches them. Shapes are known from start-up (`shapes`), ne
 tensors (a stage returning a tuple) is that many ops, consecutive in the same batch and in the same order on
 both sides, so the order the verifier proved holds message by message.
 
+Receive buffers are reused, as torch.distributed.pipelining reuses its own: a received activation goes back to
+a free list (`pool`) after the instruction that last needs it (B, or W after I; F when not training), a received
+gradient after its B or I, provided nothing else still holds it: no autograd graph, no view or alias (a layer
+that passes its input through, a gradient that is the received one), no other reference (`_recycle` checks
+the tensor's and its storage's reference counts). Anything still held is left to be freed as before, and the
+next receive allocates.
+
 Precision: with `dtype` (--dtype bf16|fp16), F runs the stage and the loss under torch.autocast (parameters and
 their gradients stay float32: the optimizer's weights are the master weights) and casts the floating-point
 tensors it sends to `dtype` inside the graph, so they and their gradients travel in half the bytes and the
@@ -31,7 +41,8 @@ backward starts from what was sent. fp16 scales the loss by `loss_scale` (gradie
 stream, see worker.Runner.step).
 
 Randomness: F runs each layer after reseeding `generators` from the micro-batch's seed (`seeds`, set per step
-by the worker) and the layer's index (stages.Stage.forward): dropout does not depend on the schedule.
+by the worker) and the layer's index (stages.Stage.forward; skipped for torch.nn layers that draw nothing):
+dropout does not depend on the schedule.
 
 Split backward: F records the output of every layer with parameters. I asks autograd for the gradients of the
 stage input and of those layer outputs (keeping the graph); W then continues, layer by layer, from each
@@ -41,6 +52,7 @@ recorded output and its gradient to that layer's parameters only, so no part of 
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -81,6 +93,11 @@ class Context:
     dtype: Any = None  # the compute dtype of --dtype bf16|fp16 (autocast, boundary tensors); None: float32
     loss_scale: float = 1.0  # fp16: the backward starts from the loss times this (static loss scaling)
     clock: Clock = field(default_factory=HostClock)  # CUDA events on a GPU (timing.py); the host clock on CPU
+    # The process group to post each op on directly (its send/recv), where batch_isend_irecv would make the same
+    # calls one by one (no coalescing: gloo); None: batch_isend_irecv (NCCL coalesces a batch into one launch).
+    direct: Any = None
+    pool: dict = field(default_factory=dict)  # ("F" or "B", stage) -> per tensor received: (shape, dtype, free ones)
+    received: dict = field(default_factory=dict)  # ("F" or "B", stage, micro-batch) -> its receive buffers
     # Per step.
     inputs: list = field(default_factory=list)
     targets: list = field(default_factory=list)
@@ -143,6 +160,9 @@ def forward(ctx: Context, action: Action) -> None:
     ctx.compute_s += _mark(ctx, action, start)
     if not last:
         ctx.acts[s + 1, m] = detached(y)
+    if not ctx.training and ctx.received:  # no graph: the received input is free once the stage has run
+        del x, y
+        _give_back(ctx, "F", s, m)
 
 
 def _precision(ctx: Context):
@@ -179,15 +199,31 @@ def _input_grads(x: tuple, got) -> tuple:
 
 def backward(ctx: Context, action: Action) -> None:
     s, _, m = action
-    x, out, _ = ctx.saved.pop((s, m))
+    saved = ctx.saved.pop((s, m))
     grads = None if s == ctx.last_stage else ctx.grads.pop((s, m))
-    roots = _roots(out, grads)
+    roots = _roots(saved.out, grads)
+    x = saved.x
     start = perf()
     if roots is not None:
         torch.autograd.backward(*roots)
+    # Dropping the outputs frees the micro-batch's autograd graph (microseconds per layer): torch's work, which
+    # its own runtime does in its backward too, so it is timed with the backward rather than as the loop's.
+    del saved, roots
     ctx.compute_s += _mark(ctx, action, start)
+    if ctx.received:
+        del grads
+        _give_back(ctx, "B", s, m)
     if s > 0:
         ctx.grads[s - 1, m] = _input_grads(x, [t.grad for t in x])
+        if ("F", s, m) in ctx.received:
+            _clear_grads(x)  # a reused buffer must not accumulate into the last step's gradient
+            del x
+            _give_back(ctx, "F", s, m)
+
+
+def _clear_grads(leaves: tuple) -> None:
+    for t in leaves:
+        t.grad = None
 
 
 def backward_input(ctx: Context, action: Action) -> None:
@@ -200,7 +236,11 @@ def backward_input(ctx: Context, action: Action) -> None:
     got: tuple = ()
     if wanted and roots is not None:
         got = torch.autograd.grad(roots[0], wanted, roots[1], retain_graph=True, allow_unused=True)
+    del out, roots, wanted  # the graph stays (W needs it): held by `recorded` only
     ctx.compute_s += _mark(ctx, action, start)
+    if ctx.received:  # the gradients received, unless W needs them (a layer's output that is the stage's)
+        del grads
+        _give_back(ctx, "B", s, m, later=True)
     if s > 0:
         ctx.grads[s - 1, m] = _input_grads(x, got[: len(x)] if got else [None] * len(x))
         got = got[len(x) :]
@@ -210,8 +250,16 @@ def backward_input(ctx: Context, action: Action) -> None:
 def backward_weight(ctx: Context, action: Action) -> None:
     s, _, m = action
     recorded, grads = ctx.partial.pop((s, m))
-    stage = ctx.stages[s]
     start = perf()
+    _weight_grads(ctx.stages[s], recorded, grads)
+    del recorded, grads  # frees what is left of the graph, timed with W (see backward)
+    ctx.compute_s += _mark(ctx, action, start)
+    if ctx.received:  # the stage's input, saved by its first layer, is free once the graph is gone
+        _give_back(ctx, "F", s, m)
+        _give_back(ctx, "B", s, m)
+
+
+def _weight_grads(stage: Stage, recorded: list, grads: tuple) -> None:
     # Each call stops at its own layer's parameters: the gradients of the layer's outputs already hold
     # everything downstream, so the layers' subgraphs are disjoint and nothing is computed twice.
     at = 0
@@ -223,11 +271,84 @@ def backward_weight(ctx: Context, action: Action) -> None:
         elif pairs:
             roots, seeds = zip(*pairs, strict=True)
             torch.autograd.backward(list(roots), list(seeds), inputs=stage.layer_parameters(position))
-    ctx.compute_s += _mark(ctx, action, start)
 
 
-# --- communication: each returns the ops to post, where a receive's value goes (box, key; None for a send) and
-# the value (a send's tensors, kept alive until the batch is waited for; a receive's tensor or tuple) ----------
+# --- receive buffers: reused once nothing holds them -------------------------------------------------------
+
+_REUSE = hasattr(torch._C, "_storage_Use_Count") and hasattr(torch.Tensor, "_use_count")  # private: checked
+
+
+def _storage_refs(tensor) -> int:
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+def _buffers(ctx: Context, key: tuple, boundary: Boundary) -> tuple:
+    """Receive buffers for a message across `boundary`, activations (key "F", ...) or their gradients ("B", ...):
+    per tensor, a free one from `pool` or a new one."""
+    entry = ctx.pool.get(key)
+    if entry is None:
+        specs = boundary.specs if key[0] == "F" else [boundary.specs[i] for i in boundary.grads]
+        entry = ctx.pool[key] = tuple((shape, dtype, []) for shape, dtype in specs)
+    if len(entry) == 1:  # one tensor: the common case, without a generator
+        shape, dtype, free = entry[0]
+        return (free.pop() if free else torch.empty(shape, dtype=dtype, device=ctx.device),)
+    device = ctx.device
+    return tuple(free.pop() if free else torch.empty(shape, dtype=dtype, device=device) for shape, dtype, free in entry)
+
+
+def _give_back(ctx: Context, kind: str, s: int, m: int, later: bool = False) -> None:
+    """Return the buffers micro-batch m's RECV_F or RECV_B of stage s received into (if it received: a stage on
+    the same rank hands over its own tensors) to the pool, once the caller has dropped its references. With
+    `later`, those still held stay listed for another try (I gives back the gradients, W what I's graph kept)."""
+    parts = ctx.received.pop((kind, s, m), None)
+    if parts is not None and _REUSE:
+        held = _recycle(ctx.pool[kind, s], parts)
+        if later and held is not None:
+            ctx.received[kind, s, m] = held
+
+
+def _recycle(entry: tuple, parts: tuple) -> tuple | None:
+    """Put each tensor of `parts` back on its free list if `parts` alone holds it: no other Python reference (a
+    layer keeping its input), no C++ one (an autograd graph saving it, a Work still posted), no other tensor on
+    its storage (a view or alias: a layer passing its input through, a gradient equal to the received one). The
+    counts are read where the interpreter holds nothing else, so any excess is someone else's; a tensor still
+    held is left alone (freed when its holders let go) and the next receive allocates in its place. Returns
+    `parts` with None for each tensor taken back, or None if all were (or were None already)."""
+    taken = 0
+    for i in range(len(parts)):
+        if parts[i] is None or _held_elsewhere(parts, i):
+            continue
+        entry[i][2].append(parts[i])
+        taken |= 1 << i
+    if all(t is None or taken >> i & 1 for i, t in enumerate(parts)):
+        return None
+    return tuple(None if taken >> i & 1 else t for i, t in enumerate(parts))
+
+
+def _held_elsewhere(parts: tuple, i: int) -> bool:
+    # No local names the tensor: it would count as a reference.
+    return _python_refs(parts, i) > _OWN_REFS or parts[i]._use_count() > 1 or _storage_refs(parts[i]) > _ALONE
+
+
+def _python_refs(parts: tuple, i: int) -> int:
+    return sys.getrefcount(parts[i])
+
+
+def _alone() -> int:
+    """What `_storage_refs` reads for a tensor that no other tensor shares storage with (the storage object
+    the reading makes counts too)."""
+    return _storage_refs(torch.empty(1)) if _REUSE else 0
+
+
+_ALONE = _alone()
+# What _python_refs reads for a tensor that its tuple alone holds: calibrated on the same code, since the
+# references the interpreter itself adds differ between Python versions.
+_OWN_REFS = _python_refs((torch.empty(1),), 0)
+
+
+# --- communication: each returns the ops to post ((is a send, tensor, peer) each), where a receive's value goes
+# (box, key; None for a send) and the value (a send's tensors, kept alive until the batch is waited for; a
+# receive's tensor or tuple) -------------------------------------------------------------------------------
 
 
 def send_f(ctx: Context, action: Action):
@@ -238,13 +359,10 @@ def send_f(ctx: Context, action: Action):
 def recv_f(ctx: Context, action: Action):
     s, _, m = action
     boundary, peer = ctx.shapes[s - 1], ctx.stage_to_rank[s - 1]
-    if len(boundary.specs) == 1 and not boundary.is_tuple:  # one tensor: the common case, kept short
-        shape, dtype = boundary.specs[0]
-        tensor = torch.empty(shape, dtype=dtype, device=ctx.device)
-        return [dist.P2POp(dist.irecv, tensor, peer, tag=0)], ctx.acts, (s, m), tensor
-    parts = tuple(torch.empty(shape, dtype=dtype, device=ctx.device) for shape, dtype in boundary.specs)
+    parts = _buffers(ctx, ("F", s), boundary)
+    ctx.received["F", s, m] = parts
     value = parts if boundary.is_tuple else parts[0]
-    return [dist.P2POp(dist.irecv, t, peer, tag=0) for t in parts], ctx.acts, (s, m), value
+    return [(False, t, peer) for t in parts], ctx.acts, (s, m), value
 
 
 def send_b(ctx: Context, action: Action):
@@ -255,18 +373,18 @@ def send_b(ctx: Context, action: Action):
 def recv_b(ctx: Context, action: Action):
     s, _, m = action
     boundary, peer = ctx.shapes[s], ctx.stage_to_rank[s + 1]
-    specs = boundary.specs
-    parts = tuple(torch.empty(specs[i][0], dtype=specs[i][1], device=ctx.device) for i in boundary.grads)
-    return [dist.P2POp(dist.irecv, t, peer, tag=0) for t in parts], ctx.grads, (s, m), parts
+    parts = _buffers(ctx, ("B", s), boundary)
+    ctx.received["B", s, m] = parts
+    return [(False, t, peer) for t in parts], ctx.grads, (s, m), parts
 
 
 def _sends(value, peer: int):
     """The ops sending a tensor or a tuple of them to `peer`, in order, and the tensors sent."""
     if type(value) is not tuple:
         tensor = value.contiguous()
-        return [dist.P2POp(dist.isend, tensor, peer, tag=0)], None, None, (tensor,)
+        return [(True, tensor, peer)], None, None, (tensor,)
     sent = tuple(t.contiguous() for t in value)
-    return [dist.P2POp(dist.isend, t, peer, tag=0) for t in sent], None, None, sent
+    return [(True, t, peer) for t in sent], None, None, sent
 
 
 DISPATCH: dict[Kind, Callable] = {
@@ -321,11 +439,20 @@ def communicate(ctx: Context, entry: Entry) -> None:
         else:
             arrivals.append((box, key, value))
     start = perf()
-    ctx.outstanding[ctx.pc] = Posted(dist.batch_isend_irecv(ops), sends, arrivals)
+    ctx.outstanding[ctx.pc] = Posted(_post(ctx.direct, ops), sends, arrivals)
     elapsed = perf() - start
     if ctx.tracing:
         ctx.events.append((entry.actions, "comm", start, elapsed))
     ctx.comm_s += elapsed
+
+
+def _post(group, ops: list) -> list:
+    """Post (is a send, tensor, peer) ops in order: on `group` directly, or as one batch_isend_irecv (None)."""
+    if group is not None:
+        return [group.send([t], peer, 0) if send else group.recv([t], peer, 0) for send, t, peer in ops]
+    return dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend if send else dist.irecv, t, peer, tag=0) for send, t, peer in ops]
+    )
 
 
 def complete(ctx: Context, batch: int) -> None:
@@ -335,13 +462,14 @@ def complete(ctx: Context, batch: int) -> None:
     start = perf()
     for work in posted.works:
         work.wait(ctx.p2p_timeout)
-    elapsed = perf() - start
     ctx.waiting = -1
+    for box, key, tensor in posted.arrivals:
+        box[key] = tensor
+    del posted  # frees the batch's Work objects (microseconds each): the p2p library's cost, timed with the wait
+    elapsed = perf() - start
     if ctx.tracing:
         ctx.events.append((ctx.plan[batch].actions, "wait", start, elapsed))
     ctx.comm_s += elapsed
-    for box, key, tensor in posted.arrivals:
-        box[key] = tensor
 
 
 def _mark(ctx: Context, action: Action, start: float) -> float:
@@ -407,6 +535,7 @@ def run(ctx: Context, entries: list[Entry], inputs: list, targets: list) -> floa
     ctx.losses = []
     ctx.timed = []
     ctx.outstanding.clear()  # only a failed step could have left any
+    ctx.received.clear()  # the same (their buffers are left to be freed, not reused)
     start = perf()
     for ctx.pc, entry in enumerate(entries):
         entry.run(ctx, entry)

@@ -110,12 +110,16 @@ class Stage:
     layers: list
     param_layers: tuple[int, ...]  # positions (in `layers`) of layers with trainable parameters
     params_by_layer: dict[int, list]  # position -> that layer's trainable parameters
+    seeded: tuple[bool, ...] = ()  # per layer: reseed the generators before it (`draws_nothing`); () all
 
     @classmethod
     def build(cls, index: int, first_layer: int, layers: list) -> Stage:
         params = {i: [p for p in layer.parameters() if p.requires_grad] for i, layer in enumerate(layers)}
         with_params = tuple(i for i in range(len(layers)) if params[i])
-        return cls(index, first_layer, layers, with_params, {i: params[i] for i in with_params})
+        # The stage's last layer is always reseeded: what runs after it (the loss, on the last stage) then draws
+        # from the same state as if every layer were.
+        seeded = tuple(i == len(layers) - 1 or not draws_nothing(layer) for i, layer in enumerate(layers))
+        return cls(index, first_layer, layers, with_params, {i: params[i] for i in with_params}, seeded)
 
     def parameters(self) -> list:
         return [p for i in self.param_layers for p in self.params_by_layer[i]]
@@ -140,9 +144,11 @@ class Stage:
     def forward(self, x, seed: int | None = None, generators: Sequence = ()):
         """The stage's output. With `seed` (a micro-batch's seed, see `layer_seed`), each layer first reseeds
         `generators` from (seed, its index in the unsplit model): dropout masks then depend on the layer and the
-        micro-batch only, not on the schedule, the partition or what ran before on this rank."""
+        micro-batch only, not on the schedule, the partition or what ran before on this rank. A layer that draws
+        no random numbers (`draws_nothing`) is not reseeded: that changes no draw."""
+        seeded = self.seeded or (True,) * len(self.layers)
         for i, layer in enumerate(self.layers):
-            if seed is not None:
+            if seed is not None and seeded[i]:
                 reseed(generators, layer_seed(seed, self.first_layer + i))
             x = layer(*x) if type(x) is tuple else layer(x)
         return x
@@ -152,8 +158,9 @@ class Stage:
         require grad. `seed` as in `forward`."""
         recorded = []
         marks = set(self.param_layers)
+        seeded = self.seeded or (True,) * len(self.layers)
         for i, layer in enumerate(self.layers):
-            if seed is not None:
+            if seed is not None and seeded[i]:
                 reseed(generators, layer_seed(seed, self.first_layer + i))
             x = layer(*x) if type(x) is tuple else layer(x)
             if i in marks:  # per layer, its outputs that carry a gradient (W starts from them)
@@ -288,6 +295,29 @@ def microbatch_seed(seed: int, step: int, microbatch: int) -> int:
 
 def layer_seed(microbatch_seed: int, layer: int) -> int:
     return mix(microbatch_seed, layer)
+
+
+# Module types whose forward draws no random number: exactly these classes (a subclass may override forward).
+_NO_RANDOMNESS = (
+    "Linear", "Bilinear", "Identity", "Flatten", "Unflatten", "Sequential", "Embedding", "EmbeddingBag",
+    "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
+    "LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d",
+    "ReLU", "ReLU6", "LeakyReLU", "PReLU", "GELU", "SiLU", "Mish", "ELU", "SELU", "CELU", "Tanh", "Sigmoid",
+    "Softplus", "Softsign", "Hardtanh", "Hardswish", "Hardsigmoid", "Softmax", "LogSoftmax",
+)  # fmt: skip
+
+
+def draws_nothing(layer) -> bool:
+    """Whether `layer` provably draws no random numbers, so that reseeding before it (about 2 us) changes
+    nothing: it and every module inside are exactly one of torch.nn's deterministic classes, with no hooks
+    (a hook could draw). Anything else, a user's own module included, is reseeded."""
+    from torch import nn
+    from torch.nn.modules import module
+
+    if module._global_forward_hooks or module._global_forward_pre_hooks:
+        return False
+    allowed = {getattr(nn, name) for name in _NO_RANDOMNESS if hasattr(nn, name)}
+    return all(type(m) in allowed and not m._forward_hooks and not m._forward_pre_hooks for m in layer.modules())
 
 
 def reseed(generators: Sequence, value: int) -> None:

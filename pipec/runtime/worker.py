@@ -146,6 +146,7 @@ class Runner:
             dtype=compute_dtype,
             loss_scale=FP16_LOSS_SCALE if dtype == "fp16" else 1.0,
             clock=timing.clock_for(device),
+            direct=_direct_group(device, shapes),
         )
         params = [p for stage in mine.values() for p in stage.parameters()]
         names = {id(p): name for stage in mine.values() for name, p in stage.named_parameters()}
@@ -215,9 +216,11 @@ class Runner:
 
     def nonfinite(self) -> list[str]:
         """What this rank holds that is not finite after the stream: the loss of a micro-batch (last stage), or
-        a stage's gradients. One fused check over each stage's gradients, one over the step's losses."""
+        a stage's gradients. One fused check over all the rank's gradients, and one reading of the step's loss
+        (the sum of the micro-batches' losses is finite only if each is); the culprits are looked for only if
+        one fails."""
         ctx, found = self.ctx, []
-        if ctx.losses:
+        if ctx.losses and not math.isfinite(float(ctx.loss)):
             values = torch.stack([loss.reshape(()).float() for _, loss in ctx.losses])
             finite = torch.isfinite(values)
             if not bool(finite.all()):
@@ -225,7 +228,7 @@ class Runner:
                 bad = [(m, float(v)) for (m, _), v, ok in zip(ctx.losses, values, oks, strict=True) if not ok]
                 more = f" (and {len(bad) - 1} more micro-batches)" if len(bad) > 1 else ""
                 found.append(f"the loss is {bad[0][1]} at micro-batch {bad[0][0]} of stage {ctx.last_stage}{more}")
-        if ctx.training:
+        if ctx.training and not _all_finite([p.grad for p in self.params if p.grad is not None]):
             for s in sorted(ctx.stages):
                 grads = [p.grad for p in ctx.stages[s].parameters() if p.grad is not None]
                 if grads and not _all_finite(grads):
@@ -347,6 +350,18 @@ def _all_finite(grads: list) -> bool:
         if bool(found.item()):
             return False
     return True
+
+
+def _direct_group(device: torch.device, shapes: dict) -> object:
+    """The default process group when its backend does not coalesce (gloo): batch_isend_irecv would only call
+    its send/recv op by op, so the interpreter makes those calls itself (interpreter.Context.direct); None for a
+    backend that coalesces a batch (NCCL) or a complex boundary tensor (isend sends those as real views)."""
+    group = dist.group.WORLD
+    if type(group) is not dist.ProcessGroup or group._get_backend(device).supports_coalescing:
+        return None
+    if any(dtype.is_complex for boundary in shapes.values() for _, dtype in boundary.specs):
+        return None
+    return group
 
 
 def _device() -> torch.device:

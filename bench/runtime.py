@@ -7,7 +7,8 @@ Workload: 16 blocks of Linear(H, H) + ReLU, MSE loss, SGD; H=16 with micro-batch
 micro-batches of 32 rows. torch's GPipe, 1F1B, Interleaved1F1B and InterleavedZeroBubble run against pipec's
 gpipe, 1f1b, interleaved_1f1b and interleaved_zb on the same stage split (V=2 for the interleaved ones), in
 alternating rounds inside the same 4 processes (one thread each). A step is zero_grad + the schedule + the
-optimizer step; its time is the slowest rank's. Printed: median step times, the pipec/torch ratio, and pipec's
+optimizer step; its time is the slowest rank's. Printed: median step times, the pipec/torch ratio of those medians,
+the median over rounds of each round's pipec/torch ratio ("paired": the two ran back to back), and pipec's
 interpreter cost per instruction: "loop" is the loop's time outside torch's compute calls (freeing a
 micro-batch's autograd graph included: torch's own runtime pays that in its backward too) and p2p calls (posting
 batches, waiting for them, freeing their Work objects), what is left being the interpreter's own work: the plan
@@ -148,19 +149,24 @@ def worker(sizes: list[tuple[int, int]], microbatches: int, rounds: int, steps: 
                 "pipec": PipecRun(pipec_name, chunks, hidden, microbatches, ranks, (x, y)),
             }
             times: dict[str, list[float]] = {"torch": [], "pipec": []}
+            paired: list[float] = []  # per round, pipec's median step over torch's in the same round
             for round_index in range(rounds + 1):  # round 0 warms up
+                this_round: dict[str, list[float]] = {"torch": [], "pipec": []}
                 for name, impl in runs.items():
                     for _ in range(steps):
                         dist.barrier()
-                        seconds = slowest(impl.step(x, y))
-                        if round_index:
-                            times[name].append(seconds)
+                        this_round[name].append(slowest(impl.step(x, y)))
+                if round_index:
+                    for name, seconds in this_round.items():
+                        times[name].extend(seconds)
+                    paired.append(statistics.median(this_round["pipec"]) / statistics.median(this_round["torch"]))
             runner = runs["pipec"].runner
             interp = statistics.median(runs["pipec"].interp)
             dispatch = dispatch_cost(runner)
             out[(hidden, rows, label)] = {
                 "torch": statistics.median(times["torch"]),
                 "pipec": statistics.median(times["pipec"]),
+                "paired": statistics.median(paired),
                 "interp_us": slowest(interp) * 1e6,
                 "dispatch_us": slowest(dispatch) * 1e6,
             }
@@ -189,14 +195,14 @@ def main() -> None:
         f"{args.rounds} alternating rounds x {args.steps} steps, median step (slowest rank)"
     )
     print(
-        f"{'H/mb':<8} {'schedule':<22} {'torch ms':>9} {'pipec ms':>9} {'pipec/torch':>12} "
+        f"{'H/mb':<8} {'schedule':<22} {'torch ms':>9} {'pipec ms':>9} {'pipec/torch':>12} {'paired':>7} "
         f"{'loop us/instr':>14} {'dispatch us/instr':>18}"
     )
     for (hidden, rows, label), row in results.items():
         ratio = row["pipec"] / row["torch"]
         print(
             f"{f'{hidden}/{rows}':<8} {label:<22} {row['torch'] * 1e3:9.2f} {row['pipec'] * 1e3:9.2f} "
-            f"{ratio:12.2f} {row['interp_us']:14.1f} {row['dispatch_us']:18.2f}"
+            f"{ratio:12.2f} {row['paired']:7.2f} {row['interp_us']:14.1f} {row['dispatch_us']:18.2f}"
         )
     print(f"({time.perf_counter() - start:.0f} s)")
 

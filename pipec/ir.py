@@ -122,6 +122,9 @@ def _number(digits: str, what: str, text: str) -> int:
 
 
 DEFAULT_INPUT_FRACTION = 0.5  # the share of a stage's activations that I frees (W frees the rest)
+# Live memory is a float sum of fractions (0.1 + 0.2 must not exceed a bound of 0.3): the verifier and every pass
+# that admits ops by memory compare against a limit with this one tolerance, so what they admit, it proves.
+MEMORY_TOLERANCE = 1e-9
 
 
 def activation_deltas(input_fraction: float = DEFAULT_INPUT_FRACTION) -> dict[Kind, float]:

@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pipec.errors import PipecInputError
+from pipec.ir import DEFAULT_INPUT_FRACTION
 from pipec.outputs import write_text
 
 if TYPE_CHECKING:  # for the hints only: a command that needs neither need not load them
@@ -98,7 +99,7 @@ def verify_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--input-fraction",
         type=amount,
-        default=0.5,
+        default=DEFAULT_INPUT_FRACTION,
         metavar="X",
         help="share of a micro-batch's activations that I frees; W frees the rest (default 0.5)",
     )
@@ -159,7 +160,7 @@ def compile_schedule(
             args.chunks,
             params(args),
             costs=costs,
-            input_fraction=getattr(args, "input_fraction", 0.5),
+            input_fraction=getattr(args, "input_fraction", DEFAULT_INPUT_FRACTION),
             stage_sizes=getattr(args, "stage_sizes", None),
             memory_limit=getattr(args, "memory_limit", None),
             per_rank_share=share,

@@ -32,9 +32,8 @@ from typing import NamedTuple, Protocol
 
 from pipec.errors import PipecInputError
 from pipec.frontend.limits import MAX_SECONDS, MAX_STEPS, check_sizes
-from pipec.ir import DEFAULT_INPUT_FRACTION, Action, Kind, Program, activation_deltas
+from pipec.ir import DEFAULT_INPUT_FRACTION, MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas
 
-_EPSILON = 1e-9  # verify/memory.py's tolerance: a schedule admitted here must pass check_memory
 NEVER = Fraction(10**18)  # the gap when no waiting input of the rank is known to be on its way
 _DEFAULT = {Kind.F: 1.0, Kind.B: 2.0, Kind.I: 1.0, Kind.W: 1.0}  # pipec.sim's default costs
 
@@ -184,7 +183,7 @@ def schedule_timeline(
         return found
 
     def fits(rank: int, kind: Kind, after: float) -> bool:
-        return deltas[kind] <= 0 or limits[rank] is None or after <= limits[rank] + _EPSILON  # frees always fit
+        return deltas[kind] <= 0 or limits[rank] is None or after <= limits[rank] + MEMORY_TOLERANCE  # frees always fit
 
     while left:
         if not events:  # nothing runs and nothing will arrive: no rank can ever pick again

@@ -35,7 +35,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from pipec.errors import PipecError
-from pipec.ir import Action, Kind, Program, activation_deltas, loop_placement, v_placement
+from pipec.ir import MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas, loop_placement, v_placement
 from pipec.sim.simulate import simulate
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 MAX_OPS = 64  # 3·P·M·V: beyond it the tree is too large for the bound to close in a tune budget
 MAX_NODES = 2_000_000  # a deterministic cap besides the deadline
-_EPSILON = 1e-9  # verify/memory.py's tolerance; also a makespan gain below it is no gain
+_EPSILON = 1e-9  # a makespan gain below it is no gain
 MODELS = ("nccl", "ideal")
 _KINDS = (Kind.F, Kind.I, Kind.W)
 _F, _I, _W = 0, 1, 2
@@ -238,7 +238,8 @@ class _Search:
                         if (start, rank) < (last_start, last_rank):
                             continue
                         delta = self.delta[s][k]
-                        if delta > 0 and self.limit is not None and self.live[rank] + delta > self.limit + _EPSILON:
+                        over = self.limit is not None and self.live[rank] + delta > self.limit + MEMORY_TOLERANCE
+                        if delta > 0 and over:
                             continue
                         out.append((start, rank, s, k, m))
         out.sort(key=lambda c: (c[0], _TRY.index(c[3]), c[1], c[2]))

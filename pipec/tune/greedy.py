@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from pipec.errors import PipecError
-from pipec.ir import Kind, Program, loop_placement, v_placement
+from pipec.ir import MEMORY_TOLERANCE, Kind, Program, loop_placement, v_placement
 from pipec.passes.list_schedule import NEVER, Candidate, Rules, list_schedule
 
 if TYPE_CHECKING:
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 
 POLICIES = ("fill", "gap", "eager")
 _RANK = {Kind.I: 3, Kind.F: 2, Kind.W: 1}
-_EPSILON = 1e-9
 
 
 def listed_orders(setting: Setting) -> Iterator[tuple[str, int, Program | str]]:
@@ -64,7 +63,7 @@ def _rules(policy: str, chunks: int, unit: float, limit: float) -> Rules:
     def admit(c: Candidate) -> bool:
         if c.kind is Kind.F:
             # room for this micro-batch's later chunks on this rank
-            return c.after + (chunks - 1 - c.chunk) * unit <= limit + _EPSILON
+            return c.after + (chunks - 1 - c.chunk) * unit <= limit + MEMORY_TOLERANCE
         if c.kind is Kind.W:
             if policy == "eager":
                 return True

@@ -26,7 +26,8 @@ from dataclasses import dataclass, replace
 
 from pipec.compiler import compute_orders, place_p2p
 from pipec.errors import PipecError
-from pipec.ir import Action, Kind, Program, activation_deltas
+from pipec.ir import MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas
+from pipec.passes.p2p import insert_p2p_ops
 from pipec.sim.costs import Costs, per_rank_share
 from pipec.sim.simulate import simulate
 from pipec.tune.exact import ExactResult, exact_candidates
@@ -37,7 +38,7 @@ from pipec.verify.memory import memory_profile, share_stage_sizes
 
 OK, OVER, INVALID, ERROR, SKIPPED = "ok", "over-memory", "invalid", "error", "skipped"
 KEEP = 3  # phase 3 improves this many of the best distinct orders
-_EPSILON = 1e-9  # the verifier's memory tolerance, and a makespan gain below it is no gain
+_EPSILON = 1e-9  # a makespan gain below it is no gain
 
 Progress = Callable[[str], None]
 
@@ -276,14 +277,16 @@ def improve(
     while True:
         options = _moves(streams)
         rng.shuffle(options)
+        # live memory after each op, per rank: valid for the whole pass (a rejected swap is undone, an accepted one
+        # starts a new pass)
+        profiles = [memory_profile(stream, setting.costs.input_fraction, sizes) for stream in streams]
         for rank, i in options:
             if time.monotonic() > deadline:
                 return best, False
             stream = streams[rank]
             a, b = stream[i], stream[i + 1]
-            live = memory_profile(stream[:i], setting.costs.input_fraction, sizes)
-            between = (live[-1] if live else 0.0) + deltas[b.kind] * sizes[b.stage]
-            if between > setting.limit + _EPSILON:
+            between = (profiles[rank][i - 1] if i else 0.0) + deltas[b.kind] * sizes[b.stage]
+            if between > setting.limit + MEMORY_TOLERANCE:
                 continue
             stream[i], stream[i + 1] = b, a
             trial = orders.with_streams(tuple(map(tuple, streams)), has_comms=False)
@@ -323,8 +326,6 @@ def _quick_score(orders: Program, costs: Costs) -> tuple[float, float] | None:
     placement only: place_p2p may still pick the default one, only ever faster), or None when the order does not
     run. The second term breaks the plateaus of the makespan: a move that lets work end sooner without delaying
     the last op is progress, and the pair strictly decreases, so the search ends."""
-    from pipec.passes.p2p import insert_p2p_ops
-
     try:
         sim = simulate(insert_p2p_ops(orders, costs), costs, p2p="nccl", record=True)
     except PipecError:

@@ -12,12 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from pipec.errors import PipecInputError
-from pipec.ir import DEFAULT_INPUT_FRACTION, Action, Instruction, Kind, Program, activation_deltas
+from pipec.ir import DEFAULT_INPUT_FRACTION, MEMORY_TOLERANCE, Action, Instruction, Kind, Program, activation_deltas
 
 # DEFAULT_INPUT_FRACTION and activation_deltas live in pipec/ir.py, so that a pass (layer 3) orders by the same
 # liveness rule the verifier checks; they are still importable from here, their former home.
-
-_EPSILON = 1e-9  # float sums of fractions: 0.1 + 0.2 must not exceed a bound of 0.3
 
 
 def validate_memory_model(
@@ -105,10 +103,10 @@ def check_memory(
     source = "--memory-limit" if limit is not None else "the schedule's declared memory bound"
     for rank, stream in enumerate(program.streams):
         bound = limit if limit is not None else (program.memory_bound[rank] if program.memory_bound else None)
-        if bound is None or peaks[rank] <= bound + _EPSILON:
+        if bound is None or peaks[rank] <= bound + MEMORY_TOLERANCE:
             continue
         profile = memory_profile(stream, input_fraction, stage_sizes)
-        first = next(i for i, live in enumerate(profile) if live > bound + _EPSILON)
+        first = next(i for i, live in enumerate(profile) if live > bound + MEMORY_TOLERANCE)
         step = profile.index(peaks[rank])
         problems.append(
             f"rank {rank} holds {profile[step]:g} units of activations at op {step} {stream[step]}, over {source} "

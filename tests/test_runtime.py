@@ -181,3 +181,62 @@ def test_compute_waits_only_for_the_batches_holding_its_receives(name: str) -> N
             assert set(entry.waits) == expected, (str(entry.actions), entry.waits)
             for k in entry.waits:
                 assert any(a.kind in (Kind.RECV_F, Kind.RECV_B) for a in entries[k].actions)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_receives_ahead_post_each_receive_one_batch_early_and_nothing_later(name: str) -> None:
+    """gloo's plan: every op posted once; sends in stream order where the stream has them; receives in stream
+    order, each posted right after the p2p batch before its own (its own batch's place for the first batch);
+    a compute instruction waits for exactly the entries that post the receives it consumes, and those hold
+    receives only (but the first batch, which is posted as the stream has it)."""
+    from pipec.ir import Action, Kind
+    from pipec.runtime.interpreter import plan
+
+    program = pipec.compile(name, 4, 8)
+    is_recv = {Kind.RECV_F, Kind.RECV_B}
+    for stream in program.streams:
+        plain, ahead = plan(stream), plan(stream, receives_ahead=True)
+        posted = [a for e in ahead if e.run.__name__ == "communicate" for a in e.actions]
+        in_stream = [a for i in stream for a in i.parts if a.kind.is_comm]
+        assert sorted(map(str, posted)) == sorted(map(str, in_stream))
+        assert [a for a in posted if a.kind in is_recv] == [a for a in in_stream if a.kind in is_recv]
+        assert [a for a in posted if a.kind not in is_recv] == [a for a in in_stream if a.kind not in is_recv]
+        computes = [e.actions for e in plain if e.run.__name__ == "compute"]
+        assert computes == [e.actions for e in ahead if e.run.__name__ == "compute"]
+        # The p2p batches of the stream, by position: receives of batch k > 0 go right after batch k - 1.
+        batches: list[list[Action]] = []
+        p2p = [isinstance(i, Action) and i.kind.is_comm for i in stream]
+        for k, instruction in enumerate(stream):
+            if p2p[k]:
+                if k == 0 or not p2p[k - 1]:
+                    batches.append([])
+                batches[-1].append(instruction)
+        if not batches:
+            continue
+        comm = [list(e.actions) for e in ahead if e.run.__name__ == "communicate"]
+        assert comm[0] == batches[0]
+        wanted = []
+        for k, batch in enumerate(batches):
+            own = batch if k == 0 else [a for a in batch if a.kind not in is_recv]
+            wanted += [own] if own else []
+            following = [a for a in batches[k + 1] if a.kind in is_recv] if k + 1 < len(batches) else []
+            wanted += [following] if following else []
+        assert comm == wanted
+        # Waits: each compute waits for the entries posting what it consumes, receive-only but the first batch.
+        where = {}
+        for k, entry in enumerate(ahead):
+            if entry.run.__name__ == "communicate":
+                where.update({(a.kind, a.stage, a.mb): k for a in entry.actions if a.kind in is_recv})
+        for k, entry in enumerate(ahead):
+            if entry.run.__name__ != "compute":
+                continue
+            needed = set()
+            for action in entry.actions:
+                feeder = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B, Kind.I: Kind.RECV_B}.get(action.kind)
+                if (feeder, action.stage, action.mb) in where:
+                    needed.add(where[feeder, action.stage, action.mb])
+            assert set(entry.waits) == needed
+            for w in entry.waits:
+                assert w < k
+                held = ahead[w].actions
+                assert held == tuple(batches[0]) or all(a.kind in is_recv for a in held)

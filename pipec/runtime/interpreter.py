@@ -27,6 +27,17 @@ issue order, as NCCL matches them. Shapes are known from start-up (`shapes`), ne
 tensors (a stage returning a tuple) is that many ops, consecutive in the same batch and in the same order on
 both sides, so the order the verifier proved holds message by message.
 
+Receives one batch ahead (gloo, `plan(receives_ahead=True)`): the receives of every batch but the first are
+posted right after the batch before it, as a plan entry of their own. Gloo's transport is a rendezvous: a send
+whose receive is already posted goes out at once from the sending thread, while one that comes first waits for
+the receiver's notice, which a background thread of the sender must wake up to answer (a scheduling delay per
+message on a busy machine, the usual case for a rank that runs ahead). Posting receives a batch early makes the
+first case the common one, at the price of holding each receive buffer one batch longer. The verified order
+still holds: on gloo posting never blocks and messages between two ranks match in order per direction; the
+receives keep their stream order, every op is posted no later than the stream says, and a compute instruction
+waits for its receives only (a subset of what it waited for before, at the same point), so a stream that
+completes posted in stream order completes with its receives ahead. NCCL keeps the stream's order exactly.
+
 Receive buffers are reused, as torch.distributed.pipelining reuses its own: a received activation goes back to
 a free list (`pool`) after the instruction that last needs it (B, or W after I; F when not training), a received
 gradient after its B or I, provided nothing else still holds it: no autograd graph, no view or alias (a layer
@@ -500,31 +511,54 @@ def _needs(action: Action) -> tuple | None:
     return None
 
 
-def plan(stream: tuple[Instruction, ...]) -> list[Entry]:
+def _is_recv(action: Action) -> bool:
+    return action.kind is Kind.RECV_F or action.kind is Kind.RECV_B
+
+
+def plan(stream: tuple[Instruction, ...], receives_ahead: bool = False) -> list[Entry]:
     """The stream as plan entries: each compute instruction alone, each maximal run of SEND/RECV one batch.
-    Each compute entry lists the batches it must wait for (rule 2), found once here rather than every step."""
-    entries: list[Entry] = []
-    batch: list[Action] = []
-    held: dict[tuple, int] = {}  # what a posted receive will provide -> the plan entry of its batch
+    Each compute entry lists the batches it must wait for (rule 2), found once here rather than every step.
 
-    def flush(first: int) -> None:
-        for action in batch:
-            if action.kind is Kind.RECV_F or action.kind is Kind.RECV_B:
-                held["F" if action.kind is Kind.RECV_F else "B", action.stage, action.mb] = len(entries)
-        entries.append(Entry(communicate, tuple(batch), first))
-        batch.clear()
-
+    With `receives_ahead` (gloo only: see the module's docstring), the receives of each batch but the first are
+    posted one batch early, as an entry of their own right after the batch before (its sends, when it has any
+    left); compute instructions wait for that entry."""
+    batches: list[tuple[int, list[Action]]] = []  # (index of its first instruction, its actions) per batch
+    items: list = []  # in stream order: (index, compute instruction), or the number of a batch
     for index, instruction in enumerate(stream):
         if isinstance(instruction, Action) and instruction.kind.is_comm:
-            batch.append(instruction)
+            if not items or type(items[-1]) is not int:
+                batches.append((index, []))
+                items.append(len(batches) - 1)
+            batches[-1][1].append(instruction)
+        else:
+            items.append((index, instruction))
+
+    entries: list[Entry] = []
+    held: dict[tuple, int] = {}  # what a posted receive will provide -> the plan entry of its batch
+
+    def post(actions: list[Action], first: int) -> None:
+        for action in actions:
+            if _is_recv(action):
+                held["F" if action.kind is Kind.RECV_F else "B", action.stage, action.mb] = len(entries)
+        entries.append(Entry(communicate, tuple(actions), first))
+
+    for item in items:
+        if type(item) is int:
+            first, actions = batches[item]
+            if receives_ahead and item > 0:
+                actions = [a for a in actions if not _is_recv(a)]  # its receives went with the batch before
+            if actions:
+                post(actions, first)
+            if receives_ahead and item + 1 < len(batches):
+                after, upcoming = batches[item + 1]
+                early = [a for a in upcoming if _is_recv(a)]
+                if early:
+                    post(early, after + upcoming.index(early[0]))
             continue
-        if batch:
-            flush(index - len(batch))
+        index, instruction = item
         parts = instruction.parts if isinstance(instruction, Overlap) else (instruction,)
         waits = [held.pop(key) for key in map(_needs, parts) if key in held]
         entries.append(Entry(compute, parts, index, tuple(dict.fromkeys(waits))))
-    if batch:
-        flush(len(stream) - len(batch))
     return entries
 
 

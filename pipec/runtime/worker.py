@@ -152,7 +152,8 @@ class Runner:
         names = {id(p): name for stage in mine.values() for name, p in stage.named_parameters()}
         optimizer = workload.make_optimizer(work, params) if ctx.training else None
         interpreter.check_program(program)
-        entries = interpreter.plan(program.streams[prank])
+        # gloo's rendezvous: a receive posted before its send lets the send go at once (interpreter.plan)
+        entries = interpreter.plan(program.streams[prank], receives_ahead=ctx.direct is not None)
         return cls(
             program, work, rank, sizes, ctx, entries, optimizer, params, layout, group, names, seed,
             time_base=_common_time_base(device),

@@ -225,7 +225,12 @@ def backward(ctx: Context, action: Action) -> None:
         del grads
         _give_back(ctx, "B", s, m)
     if s > 0:
-        ctx.grads[s - 1, m] = _input_grads(x, [t.grad for t in x])
+        if len(x) == 1:  # the common case, without a list and a loop
+            got = x[0].grad
+            ctx.grads[s - 1, m] = (got if got is not None else torch.zeros_like(x[0]),)
+            del got
+        else:
+            ctx.grads[s - 1, m] = _input_grads(x, [t.grad for t in x])
         if ("F", s, m) in ctx.received:
             _clear_grads(x)  # a reused buffer must not accumulate into the last step's gradient
             del x
@@ -312,10 +317,17 @@ def _give_back(ctx: Context, kind: str, s: int, m: int, later: bool = False) -> 
     the same rank hands over its own tensors) to the pool, once the caller has dropped its references. With
     `later`, those still held stay listed for another try (I gives back the gradients, W what I's graph kept)."""
     parts = ctx.received.pop((kind, s, m), None)
-    if parts is not None and _REUSE:
-        held = _recycle(ctx.pool[kind, s], parts)
-        if later and held is not None:
-            ctx.received[kind, s, m] = held
+    if parts is None or not _REUSE:
+        return
+    if len(parts) == 1:  # one tensor: the common case, without _recycle's bookkeeping (microseconds per call)
+        if parts[0] is not None and not _held_elsewhere(parts, 0):
+            ctx.pool[kind, s][0][2].append(parts[0])
+        elif later and parts[0] is not None:
+            ctx.received[kind, s, m] = parts
+        return
+    held = _recycle(ctx.pool[kind, s], parts)
+    if later and held is not None:
+        ctx.received[kind, s, m] = held
 
 
 def _recycle(entry: tuple, parts: tuple) -> tuple | None:

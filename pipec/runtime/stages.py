@@ -201,9 +201,11 @@ def tensors(value) -> tuple:
 def detached(value, grad: bool = False):
     """`value` (a tensor or a tuple of them) cut from its graph; with `grad`, its floating-point tensors become
     leaves that require grad (integer tensors, such as positions or masks, cannot carry a gradient)."""
+    if not grad:  # a detached tensor requires no grad already
+        return value.detach() if type(value) is not tuple else tuple(t.detach() for t in value)
     if type(value) is not tuple:
-        return value.detach().requires_grad_(grad and value.is_floating_point())
-    return tuple(t.detach().requires_grad_(grad and t.is_floating_point()) for t in value)
+        return value.detach().requires_grad_(value.is_floating_point())
+    return tuple(t.detach().requires_grad_(t.is_floating_point()) for t in value)
 
 
 DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}  # --dtype -> torch's name (None: no autocast)

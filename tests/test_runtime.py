@@ -183,27 +183,28 @@ def test_compute_waits_only_for_the_batches_holding_its_receives(name: str) -> N
                 assert any(a.kind in (Kind.RECV_F, Kind.RECV_B) for a in entries[k].actions)
 
 
+@pytest.mark.parametrize("ahead", [1, 2, 3])
 @pytest.mark.parametrize("name", SCHEDULES)
-def test_receives_ahead_post_each_receive_one_batch_early_and_nothing_later(name: str) -> None:
-    """gloo's plan: every op posted once; sends in stream order where the stream has them; receives in stream
-    order, each posted right after the p2p batch before its own (its own batch's place for the first batch);
-    a compute instruction waits for exactly the entries that post the receives it consumes, and those hold
-    receives only (but the first batch, which is posted as the stream has it)."""
+def test_receives_ahead_post_each_receive_k_batches_early_and_nothing_later(name: str, ahead: int) -> None:
+    """gloo's plan: every op posted once; sends in stream order, with their own batch; receives in stream order,
+    those of batch j right after batch j - k (those of batches 1..k right after batch 0); a compute instruction
+    waits for exactly the entries that post the receives it consumes, and those hold receives only (but the
+    first batch, which is posted as the stream has it)."""
     from pipec.ir import Action, Kind
     from pipec.runtime.interpreter import plan
 
     program = pipec.compile(name, 4, 8)
     is_recv = {Kind.RECV_F, Kind.RECV_B}
     for stream in program.streams:
-        plain, ahead = plan(stream), plan(stream, receives_ahead=True)
-        posted = [a for e in ahead if e.run.__name__ == "communicate" for a in e.actions]
+        plain, early = plan(stream), plan(stream, receives_ahead=ahead)
+        posted = [a for e in early if e.run.__name__ == "communicate" for a in e.actions]
         in_stream = [a for i in stream for a in i.parts if a.kind.is_comm]
         assert sorted(map(str, posted)) == sorted(map(str, in_stream))
         assert [a for a in posted if a.kind in is_recv] == [a for a in in_stream if a.kind in is_recv]
         assert [a for a in posted if a.kind not in is_recv] == [a for a in in_stream if a.kind not in is_recv]
         computes = [e.actions for e in plain if e.run.__name__ == "compute"]
-        assert computes == [e.actions for e in ahead if e.run.__name__ == "compute"]
-        # The p2p batches of the stream, by position: receives of batch k > 0 go right after batch k - 1.
+        assert computes == [e.actions for e in early if e.run.__name__ == "compute"]
+        # The stream's p2p batches, found from positions here, and the entries expected in their place.
         batches: list[list[Action]] = []
         p2p = [isinstance(i, Action) and i.kind.is_comm for i in stream]
         for k, instruction in enumerate(stream):
@@ -211,23 +212,20 @@ def test_receives_ahead_post_each_receive_one_batch_early_and_nothing_later(name
                 if k == 0 or not p2p[k - 1]:
                     batches.append([])
                 batches[-1].append(instruction)
-        if not batches:
-            continue
-        comm = [list(e.actions) for e in ahead if e.run.__name__ == "communicate"]
-        assert comm[0] == batches[0]
         wanted = []
         for k, batch in enumerate(batches):
             own = batch if k == 0 else [a for a in batch if a.kind not in is_recv]
             wanted += [own] if own else []
-            following = [a for a in batches[k + 1] if a.kind in is_recv] if k + 1 < len(batches) else []
-            wanted += [following] if following else []
-        assert comm == wanted
+            for j in range(1, ahead + 1) if k == 0 else [k + ahead]:
+                receives = [a for a in batches[j] if a.kind in is_recv] if j < len(batches) else []
+                wanted += [receives] if receives else []
+        assert [list(e.actions) for e in early if e.run.__name__ == "communicate"] == wanted
         # Waits: each compute waits for the entries posting what it consumes, receive-only but the first batch.
         where = {}
-        for k, entry in enumerate(ahead):
+        for k, entry in enumerate(early):
             if entry.run.__name__ == "communicate":
                 where.update({(a.kind, a.stage, a.mb): k for a in entry.actions if a.kind in is_recv})
-        for k, entry in enumerate(ahead):
+        for k, entry in enumerate(early):
             if entry.run.__name__ != "compute":
                 continue
             needed = set()
@@ -238,5 +236,5 @@ def test_receives_ahead_post_each_receive_one_batch_early_and_nothing_later(name
             assert set(entry.waits) == needed
             for w in entry.waits:
                 assert w < k
-                held = ahead[w].actions
+                held = early[w].actions
                 assert held == tuple(batches[0]) or all(a.kind in is_recv for a in held)

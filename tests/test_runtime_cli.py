@@ -131,11 +131,12 @@ def test_a_killed_worker_stops_every_rank_with_a_clear_error(tmp_path: Path) -> 
 
 
 def test_a_rank_dying_while_its_peer_waits_on_sends_at_the_end_of_the_step(tmp_path: Path) -> None:
-    # rank 1 dies in F(1, 1) of step 1; rank 0 has posted every forward send and waits for them at the end of
-    # the step: the send of micro-batch 2 can never complete
+    # rank 1 dies in F(1, 5) of step 0, having posted its receives up to micro-batch 7 (two batches ahead on
+    # gloo); rank 0 has posted every forward send and waits for them at the end of the step: the sends of
+    # micro-batches 8 to 11 can never complete
     start = time.monotonic()
     done = run(
-        [*PIPEC, "run", "forward_only", "-P", "2", "-M", "4", "--model", "workloads:dies_receiving",
+        [*PIPEC, "run", "forward_only", "-P", "2", "-M", "12", "--model", "workloads:dies_receiving",
          "--partition", "2,2", "--timeout", "10"],
         tmp_path,
         timeout=120,  # a hang guard only
@@ -144,7 +145,7 @@ def test_a_rank_dying_while_its_peer_waits_on_sends_at_the_end_of_the_step(tmp_p
     assert done.returncode == 3
     assert "rank 1: the process was killed by SIGKILL" in done.stderr
     line = next(line.strip() for line in done.stderr.splitlines() if line.strip().startswith("rank 0: "))
-    assert line.startswith("rank 0: step 1, end of step, waiting for the batch at instruction "), line
+    assert line.startswith("rank 0: step 0, end of step, waiting for the batch at instruction "), line
     assert "0SEND_F" in line
 
 

@@ -104,9 +104,9 @@ def slow_receiver() -> Workload:
 
 
 def dies_receiving() -> Workload:
-    """Two stages (partition 2,2) where the second's rank dies on its 6th forward: step 1's micro-batch 1 for
-    M=4 (the last stage is not run at start-up), while rank 0's later sends are still outstanding."""
-    work = mlp(layers=1, hidden=8, batch=8, steps=4)
+    """Two stages (partition 2,2) where the second's rank dies on its 6th forward: step 0's micro-batch 5 for
+    M=12 (the last stage is not run at start-up), while rank 0's later sends are still outstanding."""
+    work = mlp(layers=1, hidden=8, batch=12, steps=4)
     work.layers = nn.Sequential(*work.layers, DieOnce(after=6), nn.Linear(8, 8))
     return work
 

@@ -27,16 +27,17 @@ issue order, as NCCL matches them. Shapes are known from start-up (`shapes`), ne
 tensors (a stage returning a tuple) is that many ops, consecutive in the same batch and in the same order on
 both sides, so the order the verifier proved holds message by message.
 
-Receives one batch ahead (gloo, `plan(receives_ahead=True)`): the receives of every batch but the first are
-posted right after the batch before it, as a plan entry of their own. Gloo's transport is a rendezvous: a send
-whose receive is already posted goes out at once from the sending thread, while one that comes first waits for
-the receiver's notice, which a background thread of the sender must wake up to answer (a scheduling delay per
-message on a busy machine, the usual case for a rank that runs ahead). Posting receives a batch early makes the
-first case the common one, at the price of holding each receive buffer one batch longer. The verified order
-still holds: on gloo posting never blocks and messages between two ranks match in order per direction; the
-receives keep their stream order, every op is posted no later than the stream says, and a compute instruction
-waits for its receives only (a subset of what it waited for before, at the same point), so a stream that
-completes posted in stream order completes with its receives ahead. NCCL keeps the stream's order exactly.
+Receives ahead (gloo, `plan(receives_ahead=k)`): the receives of each batch are posted k batches early (with
+the first batch, those of the first k + 1), as plan entries of their own right after the batch they go with.
+Gloo's transport is a rendezvous: a send whose receive is already posted goes out at once from the sending
+thread, while one that comes first waits for the receiver's notice, which a background thread of the sender must
+wake up to answer (a scheduling delay per message on a busy machine, the usual case for a rank that runs ahead).
+Posting receives early makes the first case the common one, at the price of holding the receive buffers of up to k
+more batches (one micro-batch's boundary tensors per receive). The verified order still holds: on gloo posting never
+blocks and messages between two ranks match in order per direction; the receives keep their stream order, every op
+is posted no later than the stream says, and a compute instruction waits for its receives only (a subset of what it
+waited for before, at the same point), so a stream that completes posted in stream order completes with its receives
+ahead. NCCL keeps the stream's order exactly.
 
 Receive buffers are reused, as torch.distributed.pipelining reuses its own: a received activation goes back to
 a free list (`pool`) after the instruction that last needs it (B, or W after I; F when not training), a received
@@ -527,13 +528,13 @@ def _is_recv(action: Action) -> bool:
     return action.kind is Kind.RECV_F or action.kind is Kind.RECV_B
 
 
-def plan(stream: tuple[Instruction, ...], receives_ahead: bool = False) -> list[Entry]:
+def plan(stream: tuple[Instruction, ...], receives_ahead: int = 0) -> list[Entry]:
     """The stream as plan entries: each compute instruction alone, each maximal run of SEND/RECV one batch.
     Each compute entry lists the batches it must wait for (rule 2), found once here rather than every step.
 
-    With `receives_ahead` (gloo only: see the module's docstring), the receives of each batch but the first are
-    posted one batch early, as an entry of their own right after the batch before (its sends, when it has any
-    left); compute instructions wait for that entry."""
+    With `receives_ahead` = k > 0 (gloo only: see the module's docstring), the receives of batch j are posted
+    right after batch j - k (those of batches 1..k right after batch 0), as an entry of their own, and batch j
+    keeps its sends; a compute instruction waits for the entry holding the receives it consumes."""
     batches: list[tuple[int, list[Action]]] = []  # (index of its first instruction, its actions) per batch
     items: list = []  # in stream order: (index, compute instruction), or the number of a batch
     for index, instruction in enumerate(stream):
@@ -561,11 +562,12 @@ def plan(stream: tuple[Instruction, ...], receives_ahead: bool = False) -> list[
                 actions = [a for a in actions if not _is_recv(a)]  # its receives went with the batch before
             if actions:
                 post(actions, first)
-            if receives_ahead and item + 1 < len(batches):
-                after, upcoming = batches[item + 1]
-                early = [a for a in upcoming if _is_recv(a)]
-                if early:
-                    post(early, after + upcoming.index(early[0]))
+            for later in range(1, receives_ahead + 1) if item == 0 else (item + receives_ahead,):
+                if receives_ahead and later < len(batches):
+                    after, upcoming = batches[later]
+                    early = [a for a in upcoming if _is_recv(a)]
+                    if early:
+                        post(early, after + upcoming.index(early[0]))
             continue
         index, instruction = item
         parts = instruction.parts if isinstance(instruction, Overlap) else (instruction,)

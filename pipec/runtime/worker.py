@@ -152,8 +152,7 @@ class Runner:
         names = {id(p): name for stage in mine.values() for name, p in stage.named_parameters()}
         optimizer = workload.make_optimizer(work, params) if ctx.training else None
         interpreter.check_program(program)
-        # gloo's rendezvous: a receive posted before its send lets the send go at once (interpreter.plan)
-        entries = interpreter.plan(program.streams[prank], receives_ahead=ctx.direct is not None)
+        entries = interpreter.plan(program.streams[prank], GLOO_RECEIVES_AHEAD if ctx.direct is not None else 0)
         return cls(
             program, work, rank, sizes, ctx, entries, optimizer, params, layout, group, names, seed,
             time_base=_common_time_base(device),
@@ -353,6 +352,12 @@ def _all_finite(grads: list) -> bool:
     return True
 
 
+# Batches by which gloo's receives are posted early (interpreter.plan): gloo's rendezvous sends at once when the
+# receive is already posted. On 4 processes on 2 cores (bench/runtime.py), pipec/torch went from 0.80-1.00 with
+# one batch to 0.58-0.91 with two; three and four added nothing beyond the noise.
+GLOO_RECEIVES_AHEAD = 2
+
+
 def _direct_group(device: torch.device, shapes: dict) -> object:
     """The default process group when its backend does not coalesce (gloo): batch_isend_irecv would only call
     its send/recv op by op, so the interpreter makes those calls itself (interpreter.Context.direct); None for a
@@ -493,7 +498,9 @@ def train(program: Program, options: Options, say=print) -> dict:
         summary[rank] = stats.wall_s
         summary[world] = 0.0 if stats.loss is None else stats.loss
         summary[world + 1] = 1.0 if stats.nonfinite else 0.0
+        runner.activity = "sharing the step's time and loss (an all-reduce over every rank)"
         dist.all_reduce(summary, op=dist.ReduceOp.SUM)
+        runner.activity = None
         if float(summary[world + 1]) > 0:
             _stop_nonfinite(k, rank, stats.nonfinite, runner.layout)
         step_s, loss = float(summary[:world].max()), float(summary[world]) / options.dp

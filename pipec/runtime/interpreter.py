@@ -562,9 +562,9 @@ def plan(stream: tuple[Instruction, ...], receives_ahead: int = 0) -> list[Entry
                 actions = [a for a in actions if not _is_recv(a)]  # its receives went with the batch before
             if actions:
                 post(actions, first)
-            for later in range(1, receives_ahead + 1) if item == 0 else (item + receives_ahead,):
-                if receives_ahead and later < len(batches):
-                    after, upcoming = batches[later]
+            if receives_ahead:
+                for later in range(1, receives_ahead + 1) if item == 0 else (item + receives_ahead,):
+                    after, upcoming = batches[later] if later < len(batches) else (0, [])
                     early = [a for a in upcoming if _is_recv(a)]
                     if early:
                         post(early, after + upcoming.index(early[0]))

@@ -353,8 +353,8 @@ def _all_finite(grads: list) -> bool:
 
 
 # Batches by which gloo's receives are posted early (interpreter.plan): gloo's rendezvous sends at once when the
-# receive is already posted. On 4 processes on 2 cores (bench/runtime.py), pipec/torch went from 0.80-1.00 with
-# one batch to 0.58-0.91 with two; three and four added nothing beyond the noise.
+# receive is already posted. On 4 processes on 2 cores (bench/runtime.py's workload, paired rounds), pipec/torch
+# was 0.67-1.00 with one batch ahead and 0.58-0.91 with two; three and four did no better.
 GLOO_RECEIVES_AHEAD = 2
 
 

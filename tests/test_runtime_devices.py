@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ from pipec.errors import PipecInputError
 from pipec.runtime.launch import choose_backend
 
 TESTS = Path(__file__).parent
+ROOT = TESTS.parent
 
 
 @pytest.mark.parametrize(
@@ -104,3 +106,37 @@ def test_more_ranks_than_gpus_run_on_gloo_and_say_so(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     notes = [line for line in done.stdout.splitlines() if line.startswith("note:")]
     assert len(notes) == 1 and "running on gloo" in notes[0], done.stdout
+
+
+def readme_run_line() -> list[str]:
+    """The README's `pipec run` line as a user types it (its comment cut off), without the `pipec`."""
+    line = next(text for text in (ROOT / "README.md").read_text().splitlines() if text.startswith("pipec run "))
+    return shlex.split(line.split("#")[0])[1:]
+
+
+# The parent process sees a machine with CUDA and one GPU; what it decides and starts is real.
+ONE_GPU = (
+    "import sys, torch\n"
+    "torch.cuda.is_available = lambda: True\n"
+    "torch.cuda.device_count = lambda: 1\n"
+    "from pipec.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def test_the_readmes_run_line_on_a_one_gpu_machine_runs_on_gloo_and_says_so() -> None:
+    """On any machine: `pipec run`'s device inventory reads one GPU (only its own: the workers start as fresh
+    processes), so the README's 4-rank run must fall back to gloo on the CPU, say so in one line on stdout, keep
+    stderr empty and train. On a real one-GPU machine `test_more_ranks_than_gpus_run_on_gloo_and_say_so` runs
+    the same path without the stand-in."""
+    argv = readme_run_line()
+    assert argv[:1] == ["run"] and "-P" in argv
+    done = subprocess.run(
+        [sys.executable, "-c", ONE_GPU, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    notes = [line for line in done.stdout.splitlines() if line.startswith("note:")]
+    ranks = argv[argv.index("-P") + 1]
+    assert len(notes) == 1 and f"{ranks} processes but 1 GPU: running on gloo" in notes[0], done.stdout
+    assert "step   0  loss" in done.stdout and "median step" in done.stdout

@@ -140,3 +140,19 @@ def test_the_readmes_run_line_on_a_one_gpu_machine_runs_on_gloo_and_says_so() ->
     ranks = argv[argv.index("-P") + 1]
     assert len(notes) == 1 and f"{ranks} processes but 1 GPU: running on gloo" in notes[0], done.stdout
     assert "step   0  loss" in done.stdout and "median step" in done.stdout
+
+
+@pytest.mark.skipif(gpu_count() >= 2, reason="this machine could run it: the refusal needs fewer than 2 GPUs")
+def test_torchrun_workers_honour_backend(tmp_path: Path) -> None:
+    """Under torchrun, `--backend` is what each worker uses (it was once chosen from the GPUs regardless): an
+    explicit nccl that the node cannot run is refused by every worker before it joins a process group."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    done = subprocess.run(
+        [*torchrun, "-m", "pipec", "run", "1f1b", "-P", "2", "-M", "4", "--model", "examples.workload:mlp",
+         "--backend", "nccl"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode != 0
+    refusals = [line for line in done.stdout.splitlines() + done.stderr.splitlines() if "--backend nccl needs" in line]
+    assert len(refusals) == 2 and all(line.startswith("error: --backend nccl needs 2 GPUs") for line in refusals)
+    assert "Traceback" not in done.stdout

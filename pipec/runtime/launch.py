@@ -467,15 +467,18 @@ def _note_signal(signum: int, frame: object) -> None:
     KeyboardInterrupt keeps the main thread from unwinding into a traceback before the guard ends the process."""
 
 
-def join_torchrun(fn: Callable[..., Any], args: tuple = (), timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
-    """Run as one worker of a torchrun launch (RANK, WORLD_SIZE, MASTER_ADDR, ... set by torchrun)."""
+def join_torchrun(
+    fn: Callable[..., Any], args: tuple = (), timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None
+) -> Any:
+    """Run as one worker of a torchrun launch (RANK, WORLD_SIZE, MASTER_ADDR, ... set by torchrun). `backend`
+    as `--backend` asked (None: chosen from this node's GPUs and processes, `choose_backend`)."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     cuda = torch.cuda.is_available()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    backend, note = choose_backend(None, cuda, torch.cuda.device_count() if cuda else 0, local)
+    backend, note = choose_backend(backend, cuda, torch.cuda.device_count() if cuda else 0, local)
     if note is not None and os.environ.get("RANK") == "0":
         print(f"note: {note}", flush=True)  # stdout, as pipec run says it: a good run keeps stderr empty
     if backend == "nccl":

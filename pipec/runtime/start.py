@@ -26,7 +26,7 @@ def start(program: Program, options: Options, backend: str | None = None) -> Non
     # before this worker joins the process group: every worker checks the same thing and stops the same way)
     options = validate(program, options)
     if torchrun:
-        launch.join_torchrun(run_worker, (program, options), timeout_s=options.timeout_s)
+        launch.join_torchrun(run_worker, (program, options), timeout_s=options.timeout_s, backend=backend)
         return
     import torch
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import on_gloo
 from dp_workloads import KILL_ENV
 
 from pipec.cli import main as cli_main
@@ -37,7 +38,7 @@ def run(command: list[str], cwd: Path, env: dict | None = None, timeout: float =
     full = {k: v for k, v in os.environ.items() if k != KILL_ENV}
     full["PYTHONPATH"] = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
     full.update(env or {})
-    return subprocess.run(command, cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(on_gloo(command), cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout)
 
 
 def tree(path: Path) -> dict[str, str]:
@@ -261,7 +262,7 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_leaves_no_half_fi
     env = {k: v for k, v in os.environ.items() if k != KILL_ENV}
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
     done = subprocess.run(
-        [*command, "--checkpoint", "ck", "--checkpoint-every", "1"],
+        on_gloo([*command, "--checkpoint", "ck", "--checkpoint-every", "1"]),
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, preexec_fn=limit_file_size,
     )  # fmt: skip
     assert done.returncode == 3, done.stderr

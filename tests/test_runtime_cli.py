@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import on_gloo
 from test_runtime import assert_same_weights, reference
 
 from pipec.cli import main as cli_main
@@ -26,7 +27,7 @@ PIPEC = [sys.executable, "-m", "pipec"]
 
 def run(command: list[str], cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(on_gloo(command), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_cli_writes_report_trace_and_the_trained_weights(tmp_path: Path) -> None:
@@ -229,6 +230,6 @@ def test_the_runtime_needs_no_numpy(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(blocker.parent), str(TESTS.parent), str(TESTS)]))
     command = [sys.executable, "-m", "pipec", "run", "1f1b", "-P", "2", "-M", "2", "--model", "workloads:mlp"]
     command += ["--save", str(tmp_path / "w.pt"), "--report", str(tmp_path / "r.json")]
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    result = subprocess.run(on_gloo(command), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
     assert json.loads((tmp_path / "r.json").read_text())["ranks"][1]["peak_activations"] == 1

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import on_gloo
 
 from pipec.cli import main as cli_main
 
@@ -38,7 +39,8 @@ def environment(tmp_path: Path) -> dict[str, str]:
 
 def run(args: list[str], tmp_path: Path, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(
-        args, cwd=tmp_path, env=environment(tmp_path), capture_output=True, text=True, timeout=timeout, **kwargs
+        on_gloo(args), cwd=tmp_path, env=environment(tmp_path), capture_output=True, text=True, timeout=timeout,
+        **kwargs,
     )
 
 

@@ -156,3 +156,20 @@ def test_torchrun_workers_honour_backend(tmp_path: Path) -> None:
     refusals = [line for line in done.stdout.splitlines() + done.stderr.splitlines() if "--backend nccl needs" in line]
     assert len(refusals) == 2 and all(line.startswith("error: --backend nccl needs 2 GPUs") for line in refusals)
     assert "Traceback" not in done.stdout
+
+
+@needs_gpus(1)
+def test_profiling_on_a_gpu_times_each_layer_there_and_leaves_the_model_as_it_was() -> None:
+    """`--partition profile` on a GPU rank: each layer is measured on the GPU (synchronized) and goes back to
+    the CPU with no gradient and unchanged weights, so the stages built next are the model's own."""
+    from torch import nn
+
+    from pipec.runtime.stages import layer_weights_by_profile
+
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 64), nn.Linear(64, 64))
+    before = {k: v.clone() for k, v in layers.state_dict().items()}
+    weights = layer_weights_by_profile(layers, torch.randn(256, 64), device=torch.device("cuda", 0))
+    assert len(weights) == 4 and all(w > 0 for w in weights)
+    assert all(p.device.type == "cpu" and p.grad is None for p in layers.parameters())
+    assert all(torch.equal(before[k], v) for k, v in layers.state_dict().items())

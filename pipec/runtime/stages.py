@@ -3,7 +3,7 @@
 `partition` returns the number of layers of each stage (contiguous, in order, none empty):
 - `params`  (default): an optimal contiguous partition by parameter count, minimising the largest stage
   (ties broken towards fewer layers in the largest stage, so parameter-free layers spread out too);
-- `profile`: the same optimum over measured per-layer forward+backward times;
+- `profile`: the same optimum over measured per-layer forward+backward times (on the rank's device);
 - `4,4,4,4`: explicit layer counts.
 
 What flows between layers, and between stages: a layer returns a tensor or a tuple of tensors; the next layer
@@ -67,36 +67,53 @@ def layer_weights_by_params(layers) -> list[float]:
     return [sum(p.numel() for p in layer.parameters()) * (n + 1) + 1.0 for layer in layers]
 
 
-def layer_weights_by_profile(layers, sample, repeats: int = 5) -> list[float]:
-    """Median forward+backward time of each layer on one micro-batch, feeding each layer its real input."""
+def layer_weights_by_profile(layers, sample, repeats: int = 5, device=None) -> list[float]:
+    """Median forward+backward time of each layer on one micro-batch, feeding each layer its real input, on
+    `device` (None: the CPU, where the layers are built). On a GPU each layer goes there for its own measurement
+    and back (one rank need not hold the whole model), and the clock is read after a synchronize: a CUDA call
+    returns once its kernels are queued, so the host clock alone would time the launches."""
     import time
 
     import torch
 
+    gpu = device is not None and device.type == "cuda"
+
+    def now() -> float:
+        if gpu:
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
     weights = []
     x = detached(sample)
+    if gpu:
+        x = tuple(t.to(device) for t in x) if type(x) is tuple else x.to(device)
     for layer in layers:
+        if gpu:
+            layer.to(device)
         times = []
         for _ in range(repeats):
             inp = detached(x, grad=True)
-            start = time.perf_counter()
+            start = now()
             out = [t for t in tensors(call(layer, inp)) if t.requires_grad]
             if out:
                 sum(t.float().sum() for t in out).backward()
-            times.append(time.perf_counter() - start)
+            times.append(now() - start)
         with torch.no_grad():
             x = call(layer, x)
-        weights.append(sorted(times)[len(times) // 2])
-    for layer in layers:
         layer.zero_grad(set_to_none=True)
+        if gpu:
+            layer.to("cpu")
+        weights.append(sorted(times)[len(times) // 2])
     return weights
 
 
-def partition(layers, stages: int, how: str = "params", sample=None) -> tuple[int, ...]:
+def partition(layers, stages: int, how: str = "params", sample=None, device=None) -> tuple[int, ...]:
+    """Layers per stage: by parameter count, by profile (on `device`, see `layer_weights_by_profile`) or as
+    given."""
     if how == "params":
         return optimal_partition(layer_weights_by_params(layers), stages)
     if how == "profile":
-        return optimal_partition(layer_weights_by_profile(layers, sample), stages)
+        return optimal_partition(layer_weights_by_profile(layers, sample, device=device), stages)
     return parse_partition(how, len(layers), stages)
 
 

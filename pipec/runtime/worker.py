@@ -119,7 +119,7 @@ class Runner:
         replica, prank = layout.replica(rank), layout.pipeline_rank(rank)
         device = _device()
         inputs, _ = workload.split(work.batches[0], program.microbatches, replica, dp)
-        sizes = _agree(program, work, partition, inputs[0], dp, resume_step)
+        sizes = _agree(program, work, partition, inputs[0], dp, resume_step, device)
         mine = stages.build_stages(work.layers, sizes, program.stages_of(prank))
         for stage in mine.values():
             stage.to(device)
@@ -384,14 +384,20 @@ def fingerprint(program: Program) -> str:
 
 
 def _agree(
-    program: Program, work: workload.Workload, partition: str, sample, dp: int = 1, resume_step: int = 0
+    program: Program,
+    work: workload.Workload,
+    partition: str,
+    sample,
+    dp: int = 1,
+    resume_step: int = 0,
+    device: torch.device | None = None,
 ) -> tuple[int, ...]:
     """Every rank must run the same schedule, --dp and first step on the same partition; the partition is rank
     0's."""
     rank, world = dist.get_rank(), dist.get_world_size()
     sizes = None
     if rank == 0 or partition != "profile":
-        sizes = stages.partition(work.layers, program.num_stages, partition, sample)
+        sizes = stages.partition(work.layers, program.num_stages, partition, sample, device)  # profiled there
     label = f"{program.name} P={program.ranks} M={program.microbatches} V={program.chunks}"
     if dp > 1:
         label += f" --dp {dp}"

@@ -221,3 +221,102 @@ def run(program: Program, model: str) -> Outcome:
     positions = tuple(pc)
     completed = all(pc[r] == len(streams[r]) and all(b.completed for b in batches[r]) for r in range(ranks))
     return Outcome(completed, positions, mismatches, rounds)
+
+
+@dataclass
+class PlanOutcome:
+    completed: bool
+    positions: tuple[int, ...]  # plan entry where each rank stopped (len(plan) when it reached the end)
+    mismatches: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # a compute that ran without its input: a plan bug
+
+
+def run_plans(program: Program, plans: list[list]) -> PlanOutcome:
+    """The interpreter's plan entries (`pipec.runtime.interpreter.plan`, one list per rank) on gloo, literally:
+    - a rank walks its entries in order; a p2p entry posts all of its ops and moves on (a send needs its tensor
+      held, or the rank stays there);
+    - gloo has no order between a rank's posted ops: per ordered pair of ranks the k-th posted send meets the
+      k-th posted receive, and both complete once both are posted (a rendezvous; what travels is the send's);
+    - a compute entry first waits for every entry in its `waits` to complete (all of its ops), which delivers
+      those entries' receives; then it runs, reading only what its rank holds (anything missing is a plan
+      error); a rank's receives are held only once delivered so;
+    - at the end of its plan a rank waits for every entry still outstanding.
+    The run ends when a round makes no progress: it completed if every rank reached its end with nothing
+    outstanding."""
+    ranks = len(plans)
+    last = program.num_stages - 1
+    place = program.stage_to_rank
+    stores: list[set[tuple]] = [set() for _ in range(ranks)]
+    pc = [0] * ranks
+    posted: list[dict[int, list]] = [{} for _ in range(ranks)]  # entry index -> [action, done, is a send] per op
+    send_q: dict[tuple[int, int], list[list]] = {}
+    recv_q: dict[tuple[int, int], list[list]] = {}
+    matched: Counter = Counter()
+    out = PlanOutcome(False, ())
+
+    def post(rank: int, index: int, actions: tuple) -> bool:
+        sends = [a for a in actions if a.kind in (Kind.SEND_F, Kind.SEND_B)]
+        if any(r not in stores[rank] for a in sends for r in _reads(a, last)):
+            return False
+        records = []
+        for action in actions:
+            sending = action.kind in (Kind.SEND_F, Kind.SEND_B)
+            peer = place[action.stage + 1] if action.kind in (Kind.SEND_F, Kind.RECV_B) else place[action.stage - 1]
+            record = [action, False, sending]
+            records.append(record)
+            (send_q if sending else recv_q).setdefault((rank, peer) if sending else (peer, rank), []).append(record)
+        posted[rank][index] = records
+        return True
+
+    def match() -> bool:
+        changed = False
+        for channel, sends in send_q.items():
+            recvs = recv_q.get(channel, [])
+            while matched[channel] < min(len(sends), len(recvs)):
+                send, recv = sends[matched[channel]], recvs[matched[channel]]
+                matched[channel] += 1
+                if _message(send[0]) != _message(recv[0]):
+                    out.mismatches.append(f"{channel}: {send[0]} met {recv[0]}")
+                send[1] = recv[1] = True
+                changed = True
+        return changed
+
+    def deliver(rank: int, index: int) -> bool:
+        """Whether entry `index` of `rank` has completed (its receives then held); delivered entries are gone."""
+        records = posted[rank].get(index)
+        if records is None:
+            return True
+        if not all(record[1] for record in records):
+            return False
+        stores[rank].update(_message(record[0]) for record in records if not record[2])
+        del posted[rank][index]
+        return True
+
+    progress = True
+    while progress:
+        progress = False
+        for rank in range(ranks):
+            plan = plans[rank]
+            if pc[rank] < len(plan):
+                entry = plan[pc[rank]]
+                if entry.run.__name__ == "communicate":
+                    if post(rank, pc[rank], entry.actions):
+                        pc[rank] += 1
+                        progress = True
+                elif all([deliver(rank, k) for k in entry.waits]):
+                    for action in entry.actions:
+                        missing = [r for r in _reads(action, last) if r not in stores[rank]]
+                        if missing:
+                            out.errors.append(f"rank {rank}: {action} ran without {missing}")
+                        stores[rank].update(_produces(action))
+                    pc[rank] += 1
+                    progress = True
+            else:
+                for index in list(posted[rank]):
+                    if deliver(rank, index):
+                        progress = True
+        if match():
+            progress = True
+    out.positions = tuple(pc)
+    out.completed = all(pc[r] == len(plans[r]) and not posted[r] for r in range(ranks))
+    return out

@@ -12,14 +12,20 @@ from __future__ import annotations
 
 import functools
 
+import executor
 import pytest
 import torch
 import workloads
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from strategies import naive_lowering, valid_programs
 
 import pipec
 from pipec.cli import main as cli_main
 from pipec.library import bundled_names
+from pipec.passes.p2p import insert_p2p_ops
 from pipec.runtime import launch
+from pipec.runtime.interpreter import plan
 from pipec.runtime.workload import build, make_optimizer
 from pipec.verify import verify
 
@@ -238,3 +244,55 @@ def test_receives_ahead_post_each_receive_k_batches_early_and_nothing_later(name
                 assert w < k
                 held = early[w].actions
                 assert held == tuple(batches[0]) or all(a.kind in is_recv for a in held)
+
+
+PLANS = settings(
+    max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow], database=None
+)
+
+
+@PLANS
+@given(valid_programs(), st.integers(0, 3))
+def test_verified_streams_run_on_gloo_with_their_receives_ahead(program, ahead: int) -> None:
+    """Random valid schedules lowered by insert_p2p_ops (verified under nccl), run by an independent executor of
+    the interpreter's plan entries on gloo (tests/executor.py, `run_plans`): with receives 0-3 batches ahead
+    every rank reaches its end, messages match, and no compute runs without its input."""
+    lowered = insert_p2p_ops(program)
+    assert verify(lowered, p2p="nccl").ok
+    outcome = executor.run_plans(lowered, [plan(stream, receives_ahead=ahead) for stream in lowered.streams])
+    assert outcome.completed and not outcome.mismatches and not outcome.errors, outcome
+
+
+@PLANS
+@given(valid_programs(), st.integers(1, 3))
+def test_what_runs_in_stream_order_on_gloo_runs_with_receives_ahead(program, ahead: int) -> None:
+    """Naively lowered streams (receives right before their reader, sends right after their producer) often
+    deadlock or mismatch messages; whenever one completes on gloo in stream order with every message where it
+    belongs, it does so with its receives ahead too."""
+    lowered = naive_lowering(program)
+    plain = executor.run_plans(lowered, [plan(stream) for stream in lowered.streams])
+    early = executor.run_plans(lowered, [plan(stream, receives_ahead=ahead) for stream in lowered.streams])
+    assert not early.errors, early
+    if plain.completed and not plain.mismatches:
+        assert early.completed and not early.mismatches, early
+
+
+def test_the_plan_executor_sees_a_deadlock_and_a_plan_that_skips_a_wait() -> None:
+    """The executor above can fail: two ranks that each wait for the other's message before sending their own
+    stop where they wait, and a plan whose compute does not wait for its receive runs it without its input."""
+    from pipec.ir import Action, Kind, Program
+
+    f0, f1, b1, b0 = (Action(0, Kind.F, 0), Action(1, Kind.F, 0), Action(1, Kind.B, 0), Action(0, Kind.B, 0))
+    good = (
+        (f0, Action(0, Kind.SEND_F, 0), Action(0, Kind.RECV_B, 0), b0),
+        (Action(1, Kind.RECV_F, 0), f1, b1, Action(1, Kind.SEND_B, 0)),
+    )
+    program = Program("pair", 2, 1, 1, (0, 1), good)
+    assert executor.run_plans(program, [plan(s, receives_ahead=1) for s in good]).completed
+    # rank 0 waits for B's gradient before it sends F's output: each rank waits for the other
+    stuck = ((f0, Action(0, Kind.RECV_B, 0), b0, Action(0, Kind.SEND_F, 0)), good[1])
+    outcome = executor.run_plans(program, [plan(s) for s in stuck])
+    assert not outcome.completed and outcome.positions == (2, 1)  # B(0, 0) and F(1, 0) wait
+    plans = [plan(s) for s in good]
+    plans[1] = [e._replace(waits=()) for e in plans[1]]  # F(1, 0) no longer waits for its receive
+    assert any("ran without" in error for error in executor.run_plans(program, plans).errors)

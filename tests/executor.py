@@ -78,6 +78,18 @@ def _message(action: Action) -> tuple:
     return ("grad", stage + 1, mb)  # RECV_B
 
 
+def _new_pairs(send_q: dict, recv_q: dict, matched: Counter) -> list[tuple]:
+    """Per ordered pair of ranks, the k-th posted send meets the k-th posted receive: the pairs not made yet
+    (`matched` counts those made, per channel)."""
+    made = []
+    for channel, sends in send_q.items():
+        recvs = recv_q.get(channel, [])
+        while matched[channel] < min(len(sends), len(recvs)):
+            made.append((sends[matched[channel]], recvs[matched[channel]]))
+            matched[channel] += 1
+    return made
+
+
 class Batch:
     """A posted batch: its ops as [action, rank, op index, completed, is a send, peer], running and completed."""
 
@@ -169,17 +181,11 @@ def run(program: Program, model: str) -> Outcome:
 
     def match_nccl() -> bool:
         changed = False
-        for channel, sends in send_q.items():
-            recvs = recv_q.get(channel, [])
-            while matched[channel] < min(len(sends), len(recvs)):
-                pair = (sends[matched[channel]], recvs[matched[channel]])
-                matched[channel] += 1
-                pairs.append(pair)
-                (send, _), (recv, _) = pair
-                if _message(send[0]) != _message(recv[0]):
-                    mismatches.append(
-                        f"rank {send[1]} op {send[2]} {send[0]} met rank {recv[1]} op {recv[2]} {recv[0]}"
-                    )
+        for pair in _new_pairs(send_q, recv_q, matched):
+            pairs.append(pair)
+            (send, _), (recv, _) = pair
+            if _message(send[0]) != _message(recv[0]):
+                mismatches.append(f"rank {send[1]} op {send[2]} {send[0]} met rank {recv[1]} op {recv[2]} {recv[0]}")
         waiting = []
         for pair in pairs:
             (send, send_batch), (recv, recv_batch) = pair
@@ -269,17 +275,12 @@ def run_plans(program: Program, plans: list[list]) -> PlanOutcome:
         return True
 
     def match() -> bool:
-        changed = False
-        for channel, sends in send_q.items():
-            recvs = recv_q.get(channel, [])
-            while matched[channel] < min(len(sends), len(recvs)):
-                send, recv = sends[matched[channel]], recvs[matched[channel]]
-                matched[channel] += 1
-                if _message(send[0]) != _message(recv[0]):
-                    out.mismatches.append(f"{channel}: {send[0]} met {recv[0]}")
-                send[1] = recv[1] = True
-                changed = True
-        return changed
+        made = _new_pairs(send_q, recv_q, matched)
+        for send, recv in made:
+            if _message(send[0]) != _message(recv[0]):
+                out.mismatches.append(f"{send[0]} met {recv[0]}")
+            send[1] = recv[1] = True
+        return bool(made)
 
     def deliver(rank: int, index: int) -> bool:
         """Whether entry `index` of `rank` has completed (its receives then held); delivered entries are gone."""

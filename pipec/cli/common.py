@@ -230,9 +230,12 @@ def write(text: str, output: str | None) -> None:
 
 
 def say_error(text: str) -> None:
+    """`text` and its newline in one write: workers under torchrun share stderr, and print's two writes (the
+    text, then the newline, when stderr is unbuffered) interleave with theirs."""
     if sys.stderr is not None:
         try:
-            print(text, file=sys.stderr, flush=True)
+            sys.stderr.write(text + "\n")
+            sys.stderr.flush()
         except OSError:
             pass  # stderr itself is gone; the exit code still tells
 

@@ -41,6 +41,10 @@ class Kind(str, Enum):
     def is_comm(self) -> bool:
         return not self.is_compute
 
+    @property
+    def is_recv(self) -> bool:
+        return self is Kind.RECV_F or self is Kind.RECV_B
+
 
 COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
 BACKWARD_KINDS = frozenset({Kind.B, Kind.I})

@@ -226,12 +226,7 @@ def backward(ctx: Context, action: Action) -> None:
         del grads
         _give_back(ctx, "B", s, m)
     if s > 0:
-        if len(x) == 1:  # the common case, without a list and a loop
-            got = x[0].grad
-            ctx.grads[s - 1, m] = (got if got is not None else torch.zeros_like(x[0]),)
-            del got
-        else:
-            ctx.grads[s - 1, m] = _input_grads(x, [t.grad for t in x])
+        ctx.grads[s - 1, m] = _input_grads(x, [t.grad for t in x])
         if ("F", s, m) in ctx.received:
             _clear_grads(x)  # a reused buffer must not accumulate into the last step's gradient
             del x
@@ -318,17 +313,10 @@ def _give_back(ctx: Context, kind: str, s: int, m: int, later: bool = False) -> 
     the same rank hands over its own tensors) to the pool, once the caller has dropped its references. With
     `later`, those still held stay listed for another try (I gives back the gradients, W what I's graph kept)."""
     parts = ctx.received.pop((kind, s, m), None)
-    if parts is None or not _REUSE:
-        return
-    if len(parts) == 1:  # one tensor: the common case, without _recycle's bookkeeping (microseconds per call)
-        if parts[0] is not None and not _held_elsewhere(parts, 0):
-            ctx.pool[kind, s][0][2].append(parts[0])
-        elif later and parts[0] is not None:
-            ctx.received[kind, s, m] = parts
-        return
-    held = _recycle(ctx.pool[kind, s], parts)
-    if later and held is not None:
-        ctx.received[kind, s, m] = held
+    if parts is not None and _REUSE:
+        held = _recycle(ctx.pool[kind, s], parts)
+        if later and held is not None:
+            ctx.received[kind, s, m] = held
 
 
 def _recycle(entry: tuple, parts: tuple) -> tuple | None:
@@ -337,16 +325,18 @@ def _recycle(entry: tuple, parts: tuple) -> tuple | None:
     its storage (a view or alias: a layer passing its input through, a gradient equal to the received one). The
     counts are read where the interpreter holds nothing else, so any excess is someone else's; a tensor still
     held is left alone (freed when its holders let go) and the next receive allocates in its place. Returns
-    `parts` with None for each tensor taken back, or None if all were (or were None already)."""
-    taken = 0
+    `parts` with None for each tensor taken back, or None if all were (or were None already). The tensors are
+    reached through `parts` only: a local name would count as a reference."""
+    held = None
     for i in range(len(parts)):
-        if parts[i] is None or _held_elsewhere(parts, i):
+        if parts[i] is None:
             continue
-        entry[i][2].append(parts[i])
-        taken |= 1 << i
-    if all(t is None or taken >> i & 1 for i, t in enumerate(parts)):
-        return None
-    return tuple(None if taken >> i & 1 else t for i, t in enumerate(parts))
+        if _held_elsewhere(parts, i):
+            held = held or [None] * len(parts)
+            held[i] = parts[i]
+        else:
+            entry[i][2].append(parts[i])
+    return None if held is None else tuple(held)
 
 
 def _held_elsewhere(parts: tuple, i: int) -> bool:
@@ -524,10 +514,6 @@ def _needs(action: Action) -> tuple | None:
     return None
 
 
-def _is_recv(action: Action) -> bool:
-    return action.kind is Kind.RECV_F or action.kind is Kind.RECV_B
-
-
 def plan(stream: tuple[Instruction, ...], receives_ahead: int = 0) -> list[Entry]:
     """The stream as plan entries: each compute instruction alone, each maximal run of SEND/RECV one batch.
     Each compute entry lists the batches it must wait for (rule 2), found once here rather than every step.
@@ -551,7 +537,7 @@ def plan(stream: tuple[Instruction, ...], receives_ahead: int = 0) -> list[Entry
 
     def post(actions: list[Action], first: int) -> None:
         for action in actions:
-            if _is_recv(action):
+            if action.kind.is_recv:
                 held["F" if action.kind is Kind.RECV_F else "B", action.stage, action.mb] = len(entries)
         entries.append(Entry(communicate, tuple(actions), first))
 
@@ -559,13 +545,13 @@ def plan(stream: tuple[Instruction, ...], receives_ahead: int = 0) -> list[Entry
         if type(item) is int:
             first, actions = batches[item]
             if receives_ahead and item > 0:
-                actions = [a for a in actions if not _is_recv(a)]  # its receives went with the batch before
+                actions = [a for a in actions if not a.kind.is_recv]  # its receives went with the batch before
             if actions:
                 post(actions, first)
             if receives_ahead:
                 for later in range(1, receives_ahead + 1) if item == 0 else (item + receives_ahead,):
                     after, upcoming = batches[later] if later < len(batches) else (0, [])
-                    early = [a for a in upcoming if _is_recv(a)]
+                    early = [a for a in upcoming if a.kind.is_recv]
                     if early:
                         post(early, after + upcoming.index(early[0]))
             continue

@@ -901,7 +901,7 @@ def trace_text(events: list, title: str, ranks_per_replica: int | None = None) -
                 sends[step, replica, stage + 1, "F", mb] = (rank, start + duration)
             elif kind is Kind.SEND_B and category == "comm":
                 sends[step, replica, stage - 1, "B", mb] = (rank, start + duration)
-            elif kind in (Kind.RECV_F, Kind.RECV_B) and category == "wait":
+            elif kind.is_recv and category == "wait":
                 receives[step, replica, stage, kind.value[-1], mb] = (rank, start + duration)
     flows = [TraceFlow(*sends[key], *receives[key]) for key in sends if key in receives]
     return json.dumps(chrome_trace(items, flows, title=title))

@@ -144,7 +144,7 @@ def mutated(program: Program, rng: random.Random, mutation: str | None = None) -
     elif mutation == "reorder_comms" and program.has_comms:
         # two sends, or two receives, of one rank trade places: the channel order changes, the data flow does not
         sends = [i for i, x in enumerate(stream) if _is_comm(x) and x.kind in (Kind.SEND_F, Kind.SEND_B)]
-        recvs = [i for i, x in enumerate(stream) if _is_comm(x) and x.kind in (Kind.RECV_F, Kind.RECV_B)]
+        recvs = [i for i, x in enumerate(stream) if _is_comm(x) and x.kind.is_recv]
         def keeps_data_flow(i: int, j: int) -> bool:  # the moved send still follows its producer, recv its reader
             if stream[i].kind in (Kind.SEND_F, Kind.SEND_B):
                 return _position(stream, _producer(stream[j])) < i
@@ -157,7 +157,7 @@ def mutated(program: Program, rng: random.Random, mutation: str | None = None) -
         stream[i], stream[j] = stream[j], stream[i]
     elif mutation == "sink_recv" and program.has_comms:
         # one receive moves down to just before the compute that reads it (the naive placement)
-        recvs = [i for i, x in enumerate(stream) if _is_comm(x) and x.kind in (Kind.RECV_F, Kind.RECV_B)]
+        recvs = [i for i, x in enumerate(stream) if _is_comm(x) and x.kind.is_recv]
         if not recvs:
             return program, "none"
         i = rng.choice(recvs)

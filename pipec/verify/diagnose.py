@@ -570,6 +570,6 @@ def _consumed(program: Program, run: StreamRun, why: Blocked) -> int:
 def _stream_role(op: Instruction, later: Instruction) -> str:
     if type(op) is Action and op.kind in (Kind.SEND_F, Kind.SEND_B):
         return "whose output it sends"
-    if type(later) is Action and later.kind in (Kind.RECV_F, Kind.RECV_B):
+    if type(later) is Action and later.kind.is_recv:
         return "which receives its input" if later.kind is Kind.RECV_F else "which receives its gradient"
     return "which it needs"

@@ -9,8 +9,10 @@ recorded when the step began. The GPU is idle at that moment (the previous step 
 the origin fires at the host time read beside it, and the events' offsets place each action on the host's
 timeline: the trace shows when the GPU ran it.
 
-Both give, after the step, `(action, start, duration)` per compute action in host `perf_counter` seconds:
-`resolve`. The interpreter's own cost stays the host's (the loop's time outside torch's calls) either way.
+Both give, after the step, `(action, start, duration)` per compute action in host `perf_counter` seconds
+(`resolve`), and the optimizer step's seconds (`optimizer_s`: on a GPU, two events of their own around it, so
+that it holds the optimizer's kernels and not the end of the step's backlog, which the host waits for in
+`finish_step`). The interpreter's own cost stays the host's (the loop's time outside torch's calls) either way.
 """
 
 from __future__ import annotations
@@ -38,9 +40,15 @@ class Clock(Protocol):
 
     def stop(self, action: Action) -> None: ...
 
+    def begin_optimizer(self) -> None: ...
+
+    def end_optimizer(self) -> None: ...
+
     def finish_step(self) -> None: ...
 
     def resolve(self, timed: list[Timed]) -> list[Timed]: ...
+
+    def optimizer_s(self, host_s: float) -> float: ...
 
 
 class HostClock:
@@ -57,11 +65,20 @@ class HostClock:
     def stop(self, action: Action) -> None:
         pass
 
+    def begin_optimizer(self) -> None:
+        pass
+
+    def end_optimizer(self) -> None:
+        pass
+
     def finish_step(self) -> None:
         pass
 
     def resolve(self, timed: list[Timed]) -> list[Timed]:
         return timed
+
+    def optimizer_s(self, host_s: float) -> float:
+        return host_s
 
 
 class CudaClock:
@@ -77,10 +94,13 @@ class CudaClock:
         self.used = 0
         self.actions: list[Action] = []
         self.stream = torch.cuda.current_stream(device)
+        self.optimizer = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        self.optimized = False  # whether this step ran an optimizer step (not forward-only, not skipped)
 
     def begin_step(self) -> None:
         self.used = 0
         self.actions.clear()
+        self.optimized = False
         # The stream, looked up once a step: Event.record() without one builds a Stream object per call, a few
         # microseconds each, twice per action (the interpreter's host cost on a GPU).
         self.stream = torch.cuda.current_stream(self.cuda)
@@ -101,6 +121,13 @@ class CudaClock:
         self._next().record(self.stream)
         self.actions.append(action)
 
+    def begin_optimizer(self) -> None:
+        self.optimizer[0].record(self.stream)
+
+    def end_optimizer(self) -> None:
+        self.optimizer[1].record(self.stream)
+        self.optimized = True
+
     def finish_step(self) -> None:
         """The step ends when the GPU has done its work: the one synchronize per step."""
         torch.cuda.synchronize(self.cuda)
@@ -114,6 +141,10 @@ class CudaClock:
             end_ms = origin.elapsed_time(pool[2 * k + 1])
             out.append((action, base + start_ms / 1e3, max(0.0, end_ms - start_ms) / 1e3))
         return out
+
+    def optimizer_s(self, host_s: float) -> float:
+        """The GPU's time in the optimizer step (after `finish_step`); 0 when the step ran none."""
+        return self.optimizer[0].elapsed_time(self.optimizer[1]) / 1e3 if self.optimized else 0.0
 
 
 def clock_for(device: torch.device) -> Clock:

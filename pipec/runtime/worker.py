@@ -31,6 +31,7 @@ from pipec.errors import PipecError, PipecInputError
 from pipec.ir import Program
 from pipec.outputs import write_with
 from pipec.runtime import checkpoint, interpreter, stages, timing, workload
+from pipec.runtime.feed import Feed
 from pipec.runtime.interpreter import Context
 from pipec.runtime.launch import RunError, group_timeout, parent_gone
 from pipec.runtime.objects import all_gather_objects, broadcast_object, gather_objects
@@ -66,7 +67,7 @@ class StepStats:
     compute_s: float  # the compute actions of the loop: the host's time in torch's calls, or the GPU's (events)
     comm_s: float  # inside p2p calls: posting batches and waiting for them
     allreduce_s: float  # averaging the gradients over the replicas (0 when D = 1)
-    optimizer_s: float
+    optimizer_s: float  # the optimizer step: the host's time in it, or the GPU's (events); 0 if none ran
     loss: float | None
     nonfinite: list[str] = field(default_factory=list)  # what this rank found not finite (then no optimizer step)
     host_compute_s: float = 0.0  # the host's time inside torch's compute calls (= compute_s on the CPU)
@@ -88,6 +89,7 @@ class Runner:
     layout: Layout
     group: object  # this rank's replica group (None when D = 1)
     names: dict  # id(parameter) -> its name in the unsplit model (checkpoints key the optimizer state by it)
+    feed: Feed  # each step's micro-batches on the device
     seed: int = 0
     step_index: int = -1
     activity: str | None = None  # what the rank does outside its stream within a step (for messages)
@@ -153,8 +155,10 @@ class Runner:
         optimizer = workload.make_optimizer(work, params) if ctx.training else None
         interpreter.check_program(program)
         entries = interpreter.plan(program.streams[prank], GLOO_RECEIVES_AHEAD if ctx.direct is not None else 0)
+        held = program.stages_of(prank)
+        feed = Feed(device, program.microbatches, replica, dp, 0 in held, program.num_stages - 1 in held)
         return cls(
-            program, work, rank, sizes, ctx, entries, optimizer, params, layout, group, names, seed,
+            program, work, rank, sizes, ctx, entries, optimizer, params, layout, group, names, feed, seed,
             time_base=_common_time_base(device),
         )  # fmt: skip
 
@@ -166,16 +170,15 @@ class Runner:
     def pipeline_rank(self) -> int:
         return self.layout.pipeline_rank(self.rank)
 
-    def step(self, batch) -> StepStats:
+    def step(self, batch, upcoming=None) -> StepStats:
         """One step: take this replica's share of the batch, clear gradients, run the stream, average the
-        gradients over the replicas, step the optimizer (all timed)."""
+        gradients over the replicas, step the optimizer (all timed). `upcoming`, the next step's batch, is copied
+        to a GPU while it finishes this step (feed.py)."""
         start = time.perf_counter()
         self.ctx.clock.begin_step()
         self.step_index += 1
         ctx, layout, microbatches = self.ctx, self.layout, self.program.microbatches
-        inputs, targets = workload.split(batch, microbatches, self.replica, layout.replicas)
-        inputs = [x.to(ctx.device) for x in inputs]
-        targets = [t.to(ctx.device) for t in targets]
+        inputs, targets = self.feed.take(batch)
         # Random numbers derive from (seed, step, layer, micro-batch): nothing to save in a checkpoint.
         first = self.replica * microbatches
         ctx.seeds = [stages.microbatch_seed(self.seed, self.step_index, first + m) for m in range(microbatches)]
@@ -183,6 +186,9 @@ class Runner:
         for p in self.params:
             p.grad = None
         loop_s = interpreter.run(ctx, self.entries, inputs, targets)
+        # A GPU: the next batch's copy starts while the step's kernels are still queued (the finite check below
+        # waits for them).
+        self.feed.prefetch(upcoming)
         if ctx.loss_scale != 1.0 and ctx.training:  # fp16: the gradients of the scaled loss, back to the loss's
             _unscale([p.grad for p in self.params if p.grad is not None], ctx.loss_scale)
         # Checked before the optimizer step, so that a NaN never reaches the weights; train() stops every rank.
@@ -197,9 +203,12 @@ class Runner:
             self.activity = "averaging the gradients over the replicas"
             allreduce_s, peer_nonfinite = average_gradients(ctx.stages, self.group, layout.replicas, flag, events)
             self.activity = None
-        opt_start = time.perf_counter()
+        opt_start = opt_end = time.perf_counter()
         if self.optimizer is not None and not nonfinite and not peer_nonfinite:
+            ctx.clock.begin_optimizer()
             self.optimizer.step()
+            ctx.clock.end_optimizer()
+            opt_end = time.perf_counter()
         ctx.clock.finish_step()  # a GPU: the step ends when its work is done (one synchronize)
         end = time.perf_counter()
         timed = ctx.clock.resolve(ctx.timed)
@@ -210,8 +219,8 @@ class Runner:
         ctx.events.clear()
         loss = float(ctx.loss) if self.program.stage_to_rank[-1] == self.pipeline_rank else None
         return StepStats(
-            end - start, loop_s, compute_s, ctx.comm_s, allreduce_s, end - opt_start, loss, nonfinite, ctx.compute_s,
-            op_s,
+            end - start, loop_s, compute_s, ctx.comm_s, allreduce_s, ctx.clock.optimizer_s(opt_end - opt_start), loss,
+            nonfinite, ctx.compute_s, op_s,
         )  # fmt: skip
 
     def nonfinite(self) -> list[str]:
@@ -496,7 +505,8 @@ def train(program: Program, options: Options, say=print) -> dict:
     runner.step_index = start - 1
     records = []
     for k in range(start, steps):
-        stats = runner.step(work.batches[k % len(work.batches)])
+        upcoming = work.batches[(k + 1) % len(work.batches)] if k + 1 < steps else None
+        stats = runner.step(work.batches[k % len(work.batches)], upcoming)
         # Outside the timed step, one collective: every rank's step time (the slowest is the step's), the loss
         # (held by the last stage's rank of each replica: the mean over replicas is the full batch's; a sum with
         # zeros is exact and keeps a NaN, where a max would drop it) and whether any rank found a NaN or inf.
@@ -690,7 +700,7 @@ def _summarise(
         "rank": rank,
         "replica": runner.replica,
         "pipeline_rank": prank,
-        "compute_s": compute + optimizer,
+        "compute_s": compute,  # the stream's compute actions: what the trace's F, B, I and W slices add up to
         "optimizer_s": optimizer,
         "comm_wait_s": comm,
         "allreduce_s": allreduce,

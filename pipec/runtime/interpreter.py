@@ -144,7 +144,7 @@ def forward(ctx: Context, action: Action) -> None:
     last = s == ctx.last_stage
     x = ctx.inputs[m] if s == 0 else ctx.acts.pop((s, m))
     seed = ctx.seeds[m] if ctx.seeds is not None else None
-    start = perf()
+    start = _begin(ctx)
     if not ctx.training:
         with torch.no_grad(), _precision(ctx):
             y = ctx.stages[s].forward(x, seed, ctx.generators)
@@ -215,7 +215,7 @@ def backward(ctx: Context, action: Action) -> None:
     grads = None if s == ctx.last_stage else ctx.grads.pop((s, m))
     roots = _roots(saved.out, grads)
     x = saved.x
-    start = perf()
+    start = _begin(ctx)
     if roots is not None:
         torch.autograd.backward(*roots)
     # Dropping the outputs frees the micro-batch's autograd graph (microseconds per layer): torch's work, which
@@ -244,7 +244,7 @@ def backward_input(ctx: Context, action: Action) -> None:
     grads = None if s == ctx.last_stage else ctx.grads.pop((s, m))
     roots = _roots(out, grads)
     wanted = [*x, *(t for outputs in recorded for t in outputs)]
-    start = perf()
+    start = _begin(ctx)
     got: tuple = ()
     if wanted and roots is not None:
         got = torch.autograd.grad(roots[0], wanted, roots[1], retain_graph=True, allow_unused=True)
@@ -262,7 +262,7 @@ def backward_input(ctx: Context, action: Action) -> None:
 def backward_weight(ctx: Context, action: Action) -> None:
     s, _, m = action
     recorded, grads = ctx.partial.pop((s, m))
-    start = perf()
+    start = _begin(ctx)
     _weight_grads(ctx.stages[s], recorded, grads)
     del recorded, grads  # frees what is left of the graph, timed with W (see backward)
     ctx.compute_s += _mark(ctx, action, start)
@@ -428,15 +428,8 @@ def compute(ctx: Context, entry: Entry) -> None:
     for batch in entry.waits:  # the batches holding this instruction's receives (gone if already waited for)
         if batch in ctx.outstanding:
             complete(ctx, batch)
-    clock = ctx.clock
-    if clock.device:  # events on the compute stream around each action: what the GPU did, resolved after the step
-        for action in entry.actions:
-            clock.start()
-            DISPATCH[action.kind](ctx, action)
-            clock.stop(action)
-    else:
-        for action in entry.actions:
-            DISPATCH[action.kind](ctx, action)
+    for action in entry.actions:
+        DISPATCH[action.kind](ctx, action)
     live = len(ctx.saved) + (1.0 - ctx.input_fraction) * len(ctx.partial)
     if live > ctx.peak:
         ctx.peak = live
@@ -486,9 +479,22 @@ def complete(ctx: Context, batch: int) -> None:
     ctx.comm_s += elapsed
 
 
+def _begin(ctx: Context) -> float:
+    """The start of a compute action's torch calls: the host's time, and on a GPU an event on the compute stream
+    (what the GPU did, resolved after the step: timing.py). The event's record is a CUDA call like the
+    compute's, timed with them: one waits when the GPU's launch queue is full, as any launch does, which is the
+    GPU's pace and not the interpreter's cost."""
+    start = perf()
+    if ctx.clock.device:
+        ctx.clock.start()
+    return start
+
+
 def _mark(ctx: Context, action: Action, start: float) -> float:
-    """The host's time in a compute call since `start`; kept per action for the step's statistics and trace
-    (on a GPU the clock's events replace it there, see timing.py; the host's time still splits the loop)."""
+    """The host's time in a compute action's torch calls since `_begin`; kept per action for the step's
+    statistics and trace (on a GPU the clock's events replace it there; the host's time still splits the loop)."""
+    if ctx.clock.device:
+        ctx.clock.stop(action)
     elapsed = perf() - start
     ctx.timed.append((action, start, elapsed))
     return elapsed

@@ -61,10 +61,58 @@ def tiny_residual():
     return workloads.residual()
 
 
+class Fork(torch.nn.Linear):
+    """Returns its output twice (the same tensor object) and a tensor computed from it: outputs that depend on
+    each other, which the split backward must not count twice."""
+
+    def forward(self, x):
+        h = torch.tanh(super().forward(x))
+        return h, h, 2 * h + 1
+
+
+class Join(torch.nn.Linear):
+    def forward(self, a, b, c):
+        return super().forward(a) * b + c
+
+
+def dependent():
+    from pipec.runtime.workload import Workload
+
+    layers = torch.nn.Sequential(
+        torch.nn.Linear(6, 6), Fork(6, 6), Join(6, 6), Fork(6, 6), Join(6, 6), torch.nn.Linear(6, 3)
+    )
+    batches = [(torch.randn(8, 6), torch.randn(8, 3)) for _ in range(STEPS)]
+    return Workload(layers, torch.nn.functional.mse_loss, batches, lambda p: torch.optim.SGD(p, lr=0.1))
+
+
+def tied_ends():
+    """The first and the last layer share their weight (tied embeddings' shape of problem): one parameter."""
+    from pipec.runtime.workload import Workload
+
+    first, last = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)
+    last.weight = first.weight
+    layers = torch.nn.Sequential(first, torch.nn.Tanh(), torch.nn.Linear(6, 6), torch.nn.Tanh(), last)
+    batches = [(torch.randn(8, 6), torch.randn(8, 6)) for _ in range(STEPS)]
+    return Workload(layers, torch.nn.functional.mse_loss, batches, lambda p: torch.optim.SGD(p, lr=0.1))
+
+
+# Runs of those two models: (key, schedule, model) per rank count. On 2 ranks zbv puts stages 0 and 3 on rank 0,
+# so the tied first and last layers share a rank; 1f1b would split them (refused: see the test).
+SHAPES = {
+    1: ((("zb_h1", "dependent"), "zb_h1", "dependent"), (("zb_h1", "tied"), "zb_h1", "tied_ends")),
+    2: (
+        (("zbv", "dependent"), "zbv", "dependent"),
+        (("zb_h1", "dependent"), "zb_h1", "dependent"),
+        (("zbv", "tied"), "zbv", "tied_ends"),
+    ),
+}
+
+
 def configs(ranks: int) -> list[tuple]:
     """(key, schedule, P, M, model, dtype) of every run one spawn of `ranks` workers makes."""
     m = MICROBATCHES[ranks]
     out = [((name, dtype), name, ranks, m, MODEL, dtype) for name, dtype in RUNS[ranks]]
+    out += [(key, name, ranks, m, f"test_runtime_multi:{model}", "fp32") for key, name, model in SHAPES.get(ranks, ())]
     if ranks == 2:
         out.append((("1f1b", "fp16"), "1f1b", 2, m, MODEL, "fp16"))
         out.append((("1f1b", "bf16-residual"), "1f1b", 2, m, "test_runtime_multi:tiny_residual", "bf16"))
@@ -204,6 +252,32 @@ def test_two_tensors_between_stages_train_like_one_process(ranks: int, name: str
     for kind, tensors in run["sent"]:
         expected = ["torch.float32", "torch.int64"] if kind == "SEND_F" else ["torch.float32"]
         assert [dtype for dtype, _ in tensors] == expected
+
+
+@pytest.mark.parametrize(
+    ("ranks", "key", "model"), [(r, key, model) for r, shapes in SHAPES.items() for key, _, model in shapes]
+)
+def test_dependent_outputs_and_tied_weights_train_like_one_process(ranks: int, key: tuple, model: str) -> None:
+    """A layer returning one tensor twice and another computed from it (the split backward's W starts from
+    each output with only the gradient that reached it from downstream), and a weight shared by two layers of
+    one rank (one parameter to the optimizer, its gradient summed over both uses)."""
+    run = runs(ranks)[key]
+    partition = tuple(run["report"]["partition"])
+    expected, losses = reference(f"test_runtime_multi:{model}", "fp32", partition, MICROBATCHES[ranks])
+    worst = worst_difference(run["weights"], expected)
+    assert worst < 1e-5, f"max abs weight difference {worst:g}"
+    assert run["report"]["losses"] == pytest.approx(losses, abs=1e-6)
+
+
+def test_a_weight_tied_across_ranks_is_refused_before_any_worker_starts() -> None:
+    """Each rank would train its own copy of it: bad input, naming the layers, the ranks and the way out."""
+    from pipec.runtime.worker import Options, validate
+
+    with pytest.raises(PipecInputError) as caught:
+        validate(pipec.compile("1f1b", 2, 4), Options(model="test_runtime_multi:tied_ends"))
+    message = caught.value.message
+    assert "layers 0 and 4 share a trainable parameter (0.weight is 4.weight)" in message
+    assert "run on ranks 0 and 1" in message and "--partition" in message
 
 
 def test_forward_only_passes_tuples_between_stages() -> None:

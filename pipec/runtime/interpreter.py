@@ -58,7 +58,8 @@ dropout does not depend on the schedule.
 
 Split backward: F records the output of every layer with parameters. I asks autograd for the gradients of the
 stage input and of those layer outputs (keeping the graph); W then continues, layer by layer, from each
-recorded output and its gradient to that layer's parameters only, so no part of the backward runs twice.
+recorded output and its gradient to that layer's parameters only, so no part of the backward runs twice. (In a
+stage where two layers share a parameter, I runs the whole backward and W has nothing to do: stages.Stage.tied.)
 """
 
 from __future__ import annotations
@@ -240,6 +241,10 @@ def _clear_grads(leaves: tuple) -> None:
 
 def backward_input(ctx: Context, action: Action) -> None:
     s, _, m = action
+    if ctx.stages[s].tied:  # the whole backward here: W cannot stop at a layer (stages.Stage.tied)
+        backward(ctx, action)
+        ctx.partial[s, m] = None  # W: nothing left (still counted live until W, as the verifier counts it)
+        return
     x, out, recorded = ctx.saved.pop((s, m))
     grads = None if s == ctx.last_stage else ctx.grads.pop((s, m))
     roots = _roots(out, grads)
@@ -261,9 +266,10 @@ def backward_input(ctx: Context, action: Action) -> None:
 
 def backward_weight(ctx: Context, action: Action) -> None:
     s, _, m = action
-    recorded, grads = ctx.partial.pop((s, m))
+    recorded, grads = ctx.partial.pop((s, m)) or ((), ())
     start = _begin(ctx)
-    _weight_grads(ctx.stages[s], recorded, grads)
+    if recorded:
+        _weight_grads(ctx.stages[s], recorded, grads)
     del recorded, grads  # frees what is left of the graph, timed with W (see backward)
     ctx.compute_s += _mark(ctx, action, start)
     if ctx.received:  # the stage's input, saved by its first layer, is free once the graph is gone

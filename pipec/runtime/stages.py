@@ -128,6 +128,10 @@ class Stage:
     param_layers: tuple[int, ...]  # positions (in `layers`) of layers with trainable parameters
     params_by_layer: dict[int, list]  # position -> that layer's trainable parameters
     seeded: tuple[bool, ...] = ()  # per layer: reseed the generators before it (`draws_nothing`); () all
+    # A trainable parameter used by two of its layers (tied weights): W, which goes from each layer's outputs to
+    # that layer's parameters, would reach the shared one through the earlier layer too, so the split backward
+    # runs whole in I there (the interpreter's backward_input) and W has nothing left to do.
+    tied: bool = False
 
     @classmethod
     def build(cls, index: int, first_layer: int, layers: list) -> Stage:
@@ -136,18 +140,24 @@ class Stage:
         # The stage's last layer is always reseeded: what runs after it (the loss, on the last stage) then draws
         # from the same state as if every layer were.
         seeded = tuple(i == len(layers) - 1 or not draws_nothing(layer) for i, layer in enumerate(layers))
-        return cls(index, first_layer, layers, with_params, {i: params[i] for i in with_params}, seeded)
+        used = [id(p) for i in with_params for p in params[i]]
+        tied = len(used) != len(set(used))
+        return cls(index, first_layer, layers, with_params, {i: params[i] for i in with_params}, seeded, tied)
 
     def parameters(self) -> list:
-        return [p for i in self.param_layers for p in self.params_by_layer[i]]
+        """The stage's trainable parameters, each once: a parameter that several of its layers share (tied
+        weights) is one parameter to the optimizer, whatever `layer_parameters` lists per layer for W."""
+        return [p for _, p in self.named_parameters()]
 
     def named_parameters(self) -> list[tuple[str, Any]]:
-        """(name in the unsplit model, parameter), in the order of `parameters()`: the names checkpoints use,
-        so that optimizer state is keyed the same way whatever the partition."""
-        out = []
+        """(name in the unsplit model, parameter), each parameter once under its first name: the names
+        checkpoints use, so that optimizer state is keyed the same way whatever the partition."""
+        out, seen = [], set()
         for i in self.param_layers:
-            layer = self.layers[i]
-            out += [(f"{self.first_layer + i}.{n}", p) for n, p in layer.named_parameters() if p.requires_grad]
+            for n, p in self.layers[i].named_parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((f"{self.first_layer + i}.{n}", p))
         return out
 
     def layer_parameters(self, position: int) -> list:
@@ -181,7 +191,11 @@ class Stage:
                 reseed(generators, layer_seed(seed, self.first_layer + i))
             x = layer(*x) if type(x) is tuple else layer(x)
             if i in marks:  # per layer, its outputs that carry a gradient (W starts from them)
-                recorded.append(tuple(t for t in x if t.requires_grad) if type(x) is tuple else (x,))
+                if type(x) is tuple:
+                    x = _own_nodes(x)
+                    recorded.append(tuple(t for t in x if t.requires_grad))
+                else:
+                    recorded.append((x,))
         return x, recorded
 
     def state_dict(self) -> dict:
@@ -213,6 +227,16 @@ def run_layers(layers, x):
 def tensors(value) -> tuple:
     """The tensors of a layer's output: the tuple itself, or a one-tensor tuple."""
     return value if type(value) is tuple else (value,)
+
+
+def _own_nodes(outputs: tuple) -> tuple:
+    """A layer's outputs, each one that requires grad behind a graph node of its own (a view of itself) when
+    there are several. I's gradient at each recorded output is then only what reaches it from the layers after:
+    without the views, an output computed from another (or one tensor returned twice) would also hold the
+    other's gradient, and W, which starts from all of them, would count that part twice."""
+    if sum(1 for t in outputs if t.requires_grad) < 2:
+        return outputs
+    return tuple(t.view_as(t) if t.requires_grad else t for t in outputs)
 
 
 def detached(value, grad: bool = False):
@@ -277,6 +301,27 @@ def build_stages(layers, sizes: Sequence[int], wanted: Sequence[int]) -> dict[in
     for size in sizes:
         starts.append(starts[-1] + size)
     return {s: Stage.build(s, starts[s], list(layers[starts[s] : starts[s + 1]])) for s in wanted}
+
+
+def check_tied(layers, sizes: Sequence[int], stage_to_rank: Sequence[int], spec: str | None = None) -> None:
+    """Refuse (bad input) a trainable parameter shared by layers that run on different ranks: each rank holds
+    and steps its own copy, so tied weights split across ranks would silently drift apart (nothing sums their
+    gradients). Shared by layers of one rank, in one stage or several, a parameter is one parameter there."""
+    stage_of = [stage for stage, size in enumerate(sizes) for _ in range(size)]
+    first: dict[int, tuple[int, str]] = {}  # id(parameter) -> (the first layer holding it, its name there)
+    for i, layer in enumerate(layers):
+        for name, p in layer.named_parameters():
+            if not p.requires_grad:
+                continue
+            j, first_name = first.setdefault(id(p), (i, f"{i}.{name}"))
+            a, b = stage_of[j], stage_of[i]
+            if stage_to_rank[a] != stage_to_rank[b]:
+                where = f"--model {spec}: " if spec else ""
+                raise PipecInputError(
+                    f"{where}layers {j} and {i} share a trainable parameter ({first_name} is {i}.{name}) but run on "
+                    f"ranks {stage_to_rank[a]} and {stage_to_rank[b]} (stages {a} and {b}): each rank would train "
+                    "its own copy; put both layers on one rank (--partition) or untie them"
+                )
 
 
 def describe(layers, sizes: Sequence[int], stage_to_rank: Sequence[int]) -> str:

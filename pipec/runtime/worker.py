@@ -122,6 +122,7 @@ class Runner:
         device = _device()
         inputs, _ = workload.split(work.batches[0], program.microbatches, replica, dp)
         sizes = _agree(program, work, partition, inputs[0], dp, resume_step, device)
+        stages.check_tied(work.layers, sizes, program.stage_to_rank)  # a profiled partition is known only here
         mine = stages.build_stages(work.layers, sizes, program.stages_of(prank))
         for stage in mine.values():
             stage.to(device)
@@ -150,8 +151,14 @@ class Runner:
             clock=timing.clock_for(device),
             direct=_direct_group(device, shapes),
         )
-        params = [p for stage in mine.values() for p in stage.parameters()]
-        names = {id(p): name for stage in mine.values() for name, p in stage.named_parameters()}
+        # Each parameter once, under its first name (weights tied between stages of this rank: one parameter).
+        names: dict[int, str] = {}
+        params = []
+        for stage in mine.values():
+            for name, p in stage.named_parameters():
+                if id(p) not in names:
+                    names[id(p)] = name
+                    params.append(p)
         optimizer = workload.make_optimizer(work, params) if ctx.training else None
         interpreter.check_program(program)
         entries = interpreter.plan(program.streams[prank], GLOO_RECEIVES_AHEAD if ctx.direct is not None else 0)
@@ -967,6 +974,8 @@ def validate(program: Program, options: Options) -> Options:
         stages.optimal_partition([1.0] * len(work.layers), program.num_stages)
     dtype = stages.compute_dtype(options.dtype)
     _dry_run(options.model, work, sizes, inputs[0], targets[0], training=not program.forward_only, dtype=dtype)
+    if sizes is not None:
+        stages.check_tied(work.layers, sizes, program.stage_to_rank, options.model)
     if not program.forward_only:
         params = [p for p in work.layers.parameters() if p.requires_grad]
         try:

@@ -168,3 +168,22 @@ def wide() -> Workload:
     layers = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU())
     batches = [(torch.randn(8, 32), torch.randn(8, 32)) for _ in range(2)]
     return Workload(layers, nn.functional.mse_loss, batches)
+
+
+class KeepPositive(nn.Linear):
+    """Keeps the rows whose first input is positive: an output shape that depends on the data."""
+
+    def forward(self, x):
+        return super().forward(x)[x[:, 0] > 0]
+
+
+class Pool(nn.Linear):
+    def forward(self, h):
+        return super().forward(h).mean(0, keepdim=True).expand(2, 8)
+
+
+def varying_shapes() -> Workload:
+    """Micro-batch 0 keeps 2 rows, micro-batch 1 keeps 1: what crosses the boundary changes shape."""
+    x = torch.randn(8, 8)
+    x[:, 0] = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -1.0])
+    return Workload(nn.Sequential(KeepPositive(8, 8), Pool(8, 8)), nn.functional.mse_loss, [(x, torch.randn(8, 8))])

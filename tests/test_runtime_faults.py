@@ -231,6 +231,18 @@ def test_a_killed_parent_takes_its_workers_along_and_nothing_is_written(tmp_path
     assert "the launching process is gone" in err.read_text()
 
 
+def test_a_boundary_tensor_whose_shape_changes_stops_the_run_naming_it(tmp_path: Path) -> None:
+    """Shapes are learnt from micro-batch 0; a later one of another shape would be read into buffers of the
+    learnt size (gloo accepts a shorter message: garbage, silently). The sender stops the run instead."""
+    done = run([*RUN, "--model", "faulty_workloads:varying_shapes", "--allow-nonfinite", "--save", "w.pt"], tmp_path)
+    assert done.returncode == 3, done.stderr
+    assert (
+        "rank 0: step 0, instruction 3 (0SEND_F1): stage 0 sends micro-batch 1 tensors of (1, 8) torch.float32, "
+        "where start-up learnt (2, 8) torch.float32 from micro-batch 0"
+    ) in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "w.pt").exists()
+
+
 # --- NaN and inf ---------------------------------------------------------------------------------------------
 
 

@@ -96,14 +96,35 @@ def tied_ends():
     return Workload(layers, torch.nn.functional.mse_loss, batches, lambda p: torch.optim.SGD(p, lr=0.1))
 
 
-# Runs of those two models: (key, schedule, model) per rank count. On 2 ranks zbv puts stages 0 and 3 on rank 0,
-# so the tied first and last layers share a rank; 1f1b would split them (refused: see the test).
+class Teacher(torch.nn.Linear):
+    """Uses its parameters without gradients: trainable, yet its output needs none."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            return super().forward(x)
+
+
+def frozen_first():
+    from pipec.runtime.workload import Workload
+
+    layers = torch.nn.Sequential(Teacher(6, 6), torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6))
+    batches = [(torch.randn(8, 6), torch.randn(8, 6)) for _ in range(STEPS)]
+    return Workload(layers, torch.nn.functional.mse_loss, batches, lambda p: torch.optim.SGD(p, lr=0.1))
+
+
+# Runs of those models: (key, schedule, model) per rank count. On 2 ranks zbv puts stages 0 and 3 on rank 0, so
+# the tied first and last layers share a rank; 1f1b would split them (refused: see the test).
 SHAPES = {
-    1: ((("zb_h1", "dependent"), "zb_h1", "dependent"), (("zb_h1", "tied"), "zb_h1", "tied_ends")),
+    1: (
+        (("zb_h1", "dependent"), "zb_h1", "dependent"),
+        (("zb_h1", "tied"), "zb_h1", "tied_ends"),
+        (("zb_h1", "frozen"), "zb_h1", "frozen_first"),
+    ),
     2: (
         (("zbv", "dependent"), "zbv", "dependent"),
         (("zb_h1", "dependent"), "zb_h1", "dependent"),
         (("zbv", "tied"), "zbv", "tied_ends"),
+        (("zb_h1", "frozen"), "zb_h1", "frozen_first"),
     ),
 }
 
@@ -209,7 +230,8 @@ def _reference(model: str, dtype: str, partition: tuple[int, ...], microbatches:
                 (loss * scale).backward()
         if train:
             for p in params:
-                p.grad /= scale
+                if p.grad is not None:  # (a parameter used under no_grad gets none)
+                    p.grad /= scale
             optimizer.step()
         losses.append(total)
     return {k: v.detach().clone() for k, v in work.layers.state_dict().items()}, losses
@@ -259,8 +281,9 @@ def test_two_tensors_between_stages_train_like_one_process(ranks: int, name: str
 )
 def test_dependent_outputs_and_tied_weights_train_like_one_process(ranks: int, key: tuple, model: str) -> None:
     """A layer returning one tensor twice and another computed from it (the split backward's W starts from
-    each output with only the gradient that reached it from downstream), and a weight shared by two layers of
-    one rank (one parameter to the optimizer, its gradient summed over both uses)."""
+    each output with only the gradient that reached it from downstream), a weight shared by two layers of one
+    rank (one parameter to the optimizer, its gradient summed over both uses), and a layer whose parameters are
+    used under no_grad (the split backward has nothing to record there)."""
     run = runs(ranks)[key]
     partition = tuple(run["report"]["partition"])
     expected, losses = reference(f"test_runtime_multi:{model}", "fp32", partition, MICROBATCHES[ranks])

@@ -75,6 +75,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from pipec.errors import PipecError
 from pipec.ir import Action, Instruction, Kind, Overlap, Program
 from pipec.runtime.stages import Boundary, Stage, detached, to_boundary
 from pipec.runtime.timing import Clock, HostClock
@@ -373,7 +374,29 @@ _OWN_REFS = _python_refs((torch.empty(1),), 0)
 
 def send_f(ctx: Context, action: Action):
     s, _, m = action
-    return _sends(ctx.acts.pop((s + 1, m)), ctx.stage_to_rank[s + 1])
+    value = ctx.acts.pop((s + 1, m))
+    _check_sent(ctx.shapes[s], value, s, m)
+    return _sends(value, ctx.stage_to_rank[s + 1])
+
+
+def _check_sent(boundary: Boundary, value, s: int, m: int) -> None:
+    """What stage s sends must have the shapes and dtypes learnt at start-up: the receiver's buffers have them,
+    and a message of another size would be read into one (gloo accepts a shorter one) or fail in the transport."""
+    if type(value) is not tuple:
+        shape, dtype = boundary.specs[0]
+        if value.shape == shape and value.dtype == dtype and not boundary.is_tuple:
+            return
+    elif len(value) == len(boundary.specs) and all(
+        t.shape == shape and t.dtype == dtype for t, (shape, dtype) in zip(value, boundary.specs, strict=True)
+    ):
+        return
+    parts = value if type(value) is tuple else (value,)
+    got = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in parts)
+    learnt = ", ".join(f"{shape} {dtype}" for shape, dtype in boundary.specs)
+    raise PipecError(
+        f"stage {s} sends micro-batch {m} tensors of {got}, where start-up learnt {learnt} from micro-batch 0 of "
+        "batches[0]: what crosses a stage boundary must have the same shapes and dtypes for every micro-batch"
+    )
 
 
 def recv_f(ctx: Context, action: Action):

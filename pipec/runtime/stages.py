@@ -194,8 +194,8 @@ class Stage:
                 if type(x) is tuple:
                     x = _own_nodes(x)
                     recorded.append(tuple(t for t in x if t.requires_grad))
-                else:
-                    recorded.append((x,))
+                else:  # none if it needs no gradient (parameters used under no_grad, or not at all)
+                    recorded.append((x,) if x.requires_grad else ())
         return x, recorded
 
     def state_dict(self) -> dict:

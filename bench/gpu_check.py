@@ -12,8 +12,8 @@ Checks, one verdict line each (`ok`, `FAIL`, `skipped: why`, or `info` for a CPU
    2 and 3 run only when the model and the flag exist (else `skipped: not available`);
 4. timing: a compute-bound model (8 pre-norm MLP blocks, hidden 2048, micro-batches of 512 rows, M=8; hidden 256
    and 64 rows on the CPU) trained by `pipec run 1f1b -P 1`, its reported median step against a plain loop of
-   the same training timed with `torch.cuda.synchronize()` (ok within 5%: pipec cannot be faster than the GPU,
-   and should add little); the trace's compute slices against the reported compute time (ok within 0.1%); the
+   the same training, its data already on the GPU, timed with `torch.cuda.synchronize()` (ok within 5%: pipec
+   cannot be faster than the GPU, and should add little); the trace's compute slices against the reported compute time (ok within 0.1%); the
    interpreter's host cost per instruction (ok under 10 us on a GPU).
 Without CUDA and without `--device cpu`, it says that the GPU checks need a GPU and runs the CPU dry run instead.
 Exit status: 0 when no check failed (skipped ones included), 1 when one did.
@@ -213,7 +213,11 @@ def plain_loop(device: str, steps: int) -> list[float]:
     layers = work.layers.to(device)
     params = list(layers.parameters())
     optimizer = workload.make_optimizer(work, params)
-    inputs, targets = workload.split(work.batches[0], TIMING_M)  # on the CPU: moved in each step, as pipec does
+    # The data on the device before the clock starts: the GPU's pace for the training alone (pipec copies the next
+    # step's batch while the GPU runs this one, see docs/runtime.md, Batches on the device).
+    inputs, targets = (
+        [t.to(device) for t in part] for part in workload.split(work.batches[0], TIMING_M)
+    )
     times = []
     for _ in range(steps):
         if device == "cuda":
@@ -222,7 +226,7 @@ def plain_loop(device: str, steps: int) -> list[float]:
         for p in params:
             p.grad = None
         for x, y in zip(inputs, targets, strict=True):
-            (work.loss_fn(layers(x.to(device)), y.to(device)) / TIMING_M).backward()
+            (work.loss_fn(layers(x), y) / TIMING_M).backward()
         optimizer.step()
         if device == "cuda":
             torch.cuda.synchronize()

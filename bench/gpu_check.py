@@ -13,8 +13,8 @@ Checks, one verdict line each (`ok`, `FAIL`, `skipped: why`, or `info` for a CPU
 4. timing: a compute-bound model (8 pre-norm MLP blocks, hidden 2048, micro-batches of 512 rows, M=8; hidden 256
    and 64 rows on the CPU) trained by `pipec run 1f1b -P 1`, its reported median step against a plain loop of
    the same training, its data already on the GPU, timed with `torch.cuda.synchronize()` (ok within 5%: pipec
-   cannot be faster than the GPU, and should add little); the trace's compute slices against the reported compute time (ok within 0.1%); the
-   interpreter's host cost per instruction (ok under 10 us on a GPU).
+   cannot be faster than the GPU, and should add little); the trace's compute slices against the reported
+   compute time (ok within 0.1%); the interpreter's host cost per instruction (ok under 10 us on a GPU).
 Without CUDA and without `--device cpu`, it says that the GPU checks need a GPU and runs the CPU dry run instead.
 Exit status: 0 when no check failed (skipped ones included), 1 when one did.
 """

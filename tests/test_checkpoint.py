@@ -320,3 +320,29 @@ def test_leftovers_of_a_crash_are_ignored_by_readers_and_replaced_by_writers(tmp
     assert checkpoint.find(str(tmp_path)).step == 4
     with pytest.raises(checkpoint.CheckpointWriteError, match="is the committed checkpoint"):
         checkpoint.write(str(tmp_path), 4, {"model.pt": save(7.0), "optimizer.pt": save(8.0)}, MANIFEST)
+
+
+def test_optimizer_groups_merge_by_hyperparameters_not_position() -> None:
+    """The usual decay / no-decay AdamW groups, with a rank that holds only 1-D parameters (its one group is
+    the no-decay one): the merged state keeps that rank's parameters without decay, and a one-rank layout
+    resuming it takes each parameter's own group."""
+    from pipec.runtime.checkpoint import load_optimizer_state, merge_optimizer_states, optimizer_state
+
+    torch.manual_seed(0)
+    weight, bias = torch.nn.Parameter(torch.randn(3, 3)), torch.nn.Parameter(torch.zeros(3))
+    norm = torch.nn.Parameter(torch.ones(3))
+    names = {id(weight): "0.weight", id(bias): "0.bias", id(norm): "1.weight"}
+
+    def adamw(params: list) -> torch.optim.Optimizer:
+        decay = [p for p in params if p.dim() > 1]
+        rest = [p for p in params if p.dim() <= 1]
+        groups = [{"params": g, "weight_decay": wd} for g, wd in ((decay, 0.5), (rest, 0.0)) if g]
+        return torch.optim.AdamW(groups, lr=0.1)
+
+    rank0, rank1 = adamw([weight, bias]), adamw([norm])
+    merged = merge_optimizer_states([optimizer_state(rank0, names), optimizer_state(rank1, names)])
+    decay_of = {name: g["weight_decay"] for g in merged["param_groups"] for name in g["params"]}
+    assert decay_of == {"0.weight": 0.5, "0.bias": 0.0, "1.weight": 0.0}
+    whole = adamw([weight, bias, norm])
+    load_optimizer_state(whole, names, merged)
+    assert [(len(g["params"]), g["weight_decay"]) for g in whole.param_groups] == [(1, 0.5), (2, 0.0)]

@@ -415,3 +415,18 @@ def test_the_loss_gets_a_tuple_output_as_it_is() -> None:
     assert seen[:2] == [tuple, tuple]
     expected = [p.grad for layer in layers for p in layer.parameters()]
     assert all(torch.allclose(g, e, atol=1e-7) for g, e in zip(got, expected, strict=True))
+
+
+def test_inference_runs_tied_weights_across_ranks_and_saving_into_the_checkpoint_directory_is_refused(
+    tmp_path: Path,
+) -> None:
+    """forward_only steps nothing, so copies of a tied weight on two ranks stay equal: no refusal there. And
+    `--save` naming the `--checkpoint` directory (made only after the CLI's output checks) is bad input up front."""
+    from pipec.runtime.worker import Options, validate
+
+    validate(pipec.compile("forward_only", 2, 4), Options(model="test_runtime_multi:tied_ends"))
+    where = str(tmp_path / "ck")
+    with pytest.raises(PipecInputError) as caught:
+        validate(pipec.compile("1f1b", 1, 4), Options(model=MODEL, checkpoint=where, save=where))
+    assert caught.value.message == f"--save {where} is the --checkpoint directory; give a file name"
+    assert not (tmp_path / "ck").exists()

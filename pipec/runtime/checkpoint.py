@@ -248,19 +248,23 @@ def _on_cpu(value: Any) -> Any:
 
 
 def merge_optimizer_states(parts: Iterable[dict | None]) -> dict:
-    """One optimizer state from the ranks' parts (each holding its own parameters): the states side by side, the
-    groups merged by position (group i of every rank: its hyperparameters, every rank's parameter names)."""
+    """One optimizer state from the ranks' parts (each holding its own parameters): the states side by side, and
+    the groups merged by their hyperparameters (not by position: a rank holding only biases may have only the
+    no-decay group of an optimizer that gives others a decay group first), each with every rank's names."""
     state: dict = {}
     groups: list[dict] = []
+    keys: list[str] = []  # per merged group, its hyperparameters as text (values may be tensors or tuples)
     for part in parts:
         if not part:
             continue
         state.update(part["state"])
-        for i, group in enumerate(part["param_groups"]):
-            if i == len(groups):
-                groups.append({**group, "params": list(group["params"])})
+        for group in part["param_groups"]:
+            key = repr(sorted((k, v) for k, v in group.items() if k != "params"))
+            if key in keys:
+                groups[keys.index(key)]["params"] += group["params"]
             else:
-                groups[i]["params"] += group["params"]
+                keys.append(key)
+                groups.append({**group, "params": list(group["params"])})
     return {"state": state, "param_groups": groups}
 
 

@@ -122,7 +122,8 @@ class Runner:
         device = _device()
         inputs, _ = workload.split(work.batches[0], program.microbatches, replica, dp)
         sizes = _agree(program, work, partition, inputs[0], dp, resume_step, device)
-        stages.check_tied(work.layers, sizes, program.stage_to_rank)  # a profiled partition is known only here
+        if not program.forward_only:  # (inference steps nothing: every copy of a tied weight stays the same)
+            stages.check_tied(work.layers, sizes, program.stage_to_rank)  # a profiled partition: known only here
         mine = stages.build_stages(work.layers, sizes, program.stages_of(prank))
         for stage in mine.values():
             stage.to(device)
@@ -974,7 +975,7 @@ def validate(program: Program, options: Options) -> Options:
         stages.optimal_partition([1.0] * len(work.layers), program.num_stages)
     dtype = stages.compute_dtype(options.dtype)
     _dry_run(options.model, work, sizes, inputs[0], targets[0], training=not program.forward_only, dtype=dtype)
-    if sizes is not None:
+    if sizes is not None and not program.forward_only:
         stages.check_tied(work.layers, sizes, program.stage_to_rank, options.model)
     if not program.forward_only:
         params = [p for p in work.layers.parameters() if p.requires_grad]
@@ -1064,6 +1065,9 @@ def _plan_checkpoints(program: Program, options: Options, work: workload.Workloa
             )
         options = dataclasses.replace(options, resume=found.path, resume_step=found.step)
     if options.checkpoint:
+        for flag, path in (("--save", options.save), ("--report", options.report), ("--trace", options.trace)):
+            if path and _same_path(path, options.checkpoint):  # the directory is made next: caught only here
+                raise PipecInputError(f"{flag} {path} is the --checkpoint directory; give a file name")
         checkpoint.prepare_directory(options.checkpoint)
     return options
 

@@ -11,7 +11,6 @@ as it is needed. On the CPU, `take` splits the batch and nothing is copied.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -56,8 +55,8 @@ class Feed:
             return self._place(*self._split(batch))
         current = torch.cuda.current_stream(self.device)
         current.wait_stream(self.stream)  # the compute waits for the copies made ahead
-        for tensor in _tensors(ahead[1], ahead[2]):
-            if tensor.device.type == "cuda":
+        for tensor in (*ahead[1], *ahead[2]):
+            if tensor.device.type == "cuda":  # (what this rank does not read stayed on the CPU)
                 tensor.record_stream(current)  # allocated on the side stream, used and freed on this one
         return ahead[1], ahead[2]
 
@@ -72,7 +71,3 @@ class Feed:
             return
         with torch.cuda.stream(self.stream):
             self.ahead = (batch, *self._place(inputs, targets))
-
-
-def _tensors(*lists: Sequence) -> list:
-    return [t for items in lists for t in items if isinstance(t, torch.Tensor)]

@@ -77,7 +77,7 @@ import torch.distributed as dist
 
 from pipec.errors import PipecError
 from pipec.ir import Action, Instruction, Kind, Overlap, Program
-from pipec.runtime.stages import Boundary, Stage, detached, to_boundary
+from pipec.runtime.stages import Boundary, Stage, detached, tensors, to_boundary
 from pipec.runtime.timing import Clock, HostClock
 from pipec.verify.memory import DEFAULT_INPUT_FRACTION
 
@@ -390,8 +390,7 @@ def _check_sent(boundary: Boundary, value, s: int, m: int) -> None:
         t.shape == shape and t.dtype == dtype for t, (shape, dtype) in zip(value, boundary.specs, strict=True)
     ):
         return
-    parts = value if type(value) is tuple else (value,)
-    got = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in parts)
+    got = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors(value))
     learnt = ", ".join(f"{shape} {dtype}" for shape, dtype in boundary.specs)
     raise PipecError(
         f"stage {s} sends micro-batch {m} tensors of {got}, where start-up learnt {learnt} from micro-batch 0 of "

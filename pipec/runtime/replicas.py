@@ -100,8 +100,9 @@ def average_gradients(
     pending_flag = flag
     seen: set[int] = set()  # a parameter tied between two stages of this rank is averaged once
     for s in sorted(stages):
-        grads = [p.grad for p in stages[s].parameters() if p.grad is not None and id(p) not in seen]
-        seen.update(id(p) for p in stages[s].parameters())
+        params = stages[s].parameters()
+        grads = [p.grad for p in params if p.grad is not None and id(p) not in seen]
+        seen.update(map(id, params))
         dense = [g for g in grads if not g.is_sparse]
         parts = buckets(dense)
         for index, bucket in enumerate(parts):

@@ -140,14 +140,14 @@ class Stage:
         # The stage's last layer is always reseeded: what runs after it (the loss, on the last stage) then draws
         # from the same state as if every layer were.
         seeded = tuple(i == len(layers) - 1 or not draws_nothing(layer) for i, layer in enumerate(layers))
-        used = [id(p) for i in with_params for p in params[i]]
-        tied = len(used) != len(set(used))
-        return cls(index, first_layer, layers, with_params, {i: params[i] for i in with_params}, seeded, tied)
+        stage = cls(index, first_layer, layers, with_params, {i: params[i] for i in with_params}, seeded)
+        stage.tied = len(stage.parameters()) != sum(len(params[i]) for i in with_params)
+        return stage
 
     def parameters(self) -> list:
         """The stage's trainable parameters, each once: a parameter that several of its layers share (tied
         weights) is one parameter to the optimizer, whatever `layer_parameters` lists per layer for W."""
-        return [p for _, p in self.named_parameters()]
+        return list(dict.fromkeys(p for i in self.param_layers for p in self.params_by_layer[i]))
 
     def named_parameters(self) -> list[tuple[str, Any]]:
         """(name in the unsplit model, parameter), each parameter once under its first name: the names

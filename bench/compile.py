@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     cold = time.perf_counter() - start
     notes = [f"pipec first compile in this process (grammar build + 1f1b P=2 M=2): {cold:.3f} s wall"]
     if not args.no_torch:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
         start = time.perf_counter()
         import torch_reference  # noqa: F401 - imports torch.distributed.pipelining and quiets its logger
 

@@ -7,7 +7,7 @@ For each fault: the exit code, the seconds to exit (from the start for faults re
 during the run; from the signal for the signal rows), the first line printed on stderr, what was left on disk
 (new files in the run's directory and its private TMPDIR, torch's and pipec's caches aside) and what was left in
 the process table (descendants of `pipec run` still running 1 s after it exited; for a SIGKILLed parent, how
-long its workers took to go). The workloads are tests/faulty_workloads.py; each run is 1f1b with P=2, M=4.
+long its workers took to go). The workloads are tests/support/faulty_workloads.py; each run is 1f1b with P=2, M=4.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = ROOT / "tests"
+TESTS = ROOT / "tests" / "support"
 CACHES = (".lark_cache", "torchinductor_")  # pipec's parse-table cache and torch's compile cache: not leaks
 
 

@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 4 examples/torch/train.py zb_h2 --microbatches 8
 
 torch's own PipelineStage objects, loss, optimizer and step(); pipec only provides the schedule (docs/torch.md).
-tests/test_torch_api.py runs `train` and checks its losses against ordinary training of the whole model.
+tests/runtime/test_torch_api.py runs `train` and checks its losses against ordinary training of the whole model.
 """
 
 from __future__ import annotations

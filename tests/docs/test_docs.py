@@ -1,7 +1,7 @@
 """The language reference and the tutorial cannot rot: every example in them is compiled here.
 
-What is checked, by the info string of each fenced block in docs/language.md, tutorial.md, testing.md, format.md,
-torch.md and tuning.md:
+What is checked, by the info string of each fenced block in README.md and docs/language.md, tutorial.md,
+testing.md, format.md, torch.md, tuning.md, verification.md, simulator.md and runtime.md:
 
 - ```` ```pipe P=4 M=8 [V=2] [NAME=VALUE ...] ````: the block is a whole schedule; `pipec compile` with these
   parameters (names other than P, M, V go to `--set`) succeeds, which includes every verification pass.
@@ -15,7 +15,11 @@ torch.md and tuning.md:
   way the file is available, under that path, to the console blocks of the same document.
 - ```` ```console ````: lines starting with `$ pipec ` are run (in-process, in a scratch directory holding a copy
   of examples/ and the `file=` blocks) and the lines up to the next `$` are their output (standard output, then
-  standard error). A trailing `# exit N` comment gives the expected exit code (default 0).
+  standard error). A trailing `# exit N` comment gives the expected exit code (default 0). Files the suite keeps
+  (tests/bad_schedules) are there too.
+- ```` ```python ````: the block runs (in a fresh namespace, in such a scratch directory) without an error.
+  With `excerpt=PATH` its lines appear, in order and contiguous, in the repository's PATH instead; with `sketch`
+  (a fragment of a larger script, names left to the reader) it must compile and its `pipec` imports must resolve.
 
 And every examples/tutorial/*.pipe names its parameters in `# check: ARGS` lines; `pipec check FILE ARGS` passes.
 
@@ -25,6 +29,8 @@ After a deliberate change to an error message or an output, refresh every shown 
 
 from __future__ import annotations
 
+import ast
+import importlib
 import re
 import shlex
 import shutil
@@ -38,8 +44,22 @@ from paths import ROOT
 
 from pipec.library import bundled_source
 
-DOCS = tuple(
-    ROOT / "docs" / name for name in ("language.md", "tutorial.md", "testing.md", "format.md", "torch.md", "tuning.md")
+DOCS = (
+    ROOT / "README.md",
+    *(
+        ROOT / "docs" / name
+        for name in (
+            "language.md",
+            "tutorial.md",
+            "testing.md",
+            "format.md",
+            "torch.md",
+            "tuning.md",
+            "verification.md",
+            "simulator.md",
+            "runtime.md",
+        )
+    ),
 )
 EXAMPLES = ROOT / "examples" / "tutorial"
 BUILTIN = ("P", "M", "V")
@@ -138,6 +158,7 @@ def expected_pipe_output(block: Block, scratch: Path) -> tuple[Block | None, str
 
 def _scratch_with_files(doc_blocks: list[Block], scratch: Path) -> None:
     shutil.copytree(ROOT / "examples", scratch / "examples", dirs_exist_ok=True)
+    shutil.copytree(ROOT / "tests" / "bad_schedules", scratch / "tests" / "bad_schedules", dirs_exist_ok=True)
     for b in doc_blocks:
         if b.lang == "pipe" and "file" in b.attrs:
             path = scratch / b.attrs["file"]
@@ -199,6 +220,7 @@ def _ids(blocks: list[Block]) -> list[str]:
 
 PIPE_BLOCKS = [b for b in _all_blocks() if b.lang == "pipe"]
 CONSOLE_BLOCKS = [b for b in _all_blocks() if b.lang == "console"]
+PYTHON_BLOCKS = [b for b in _all_blocks() if b.lang == "python"]
 
 
 def test_docs_have_examples() -> None:
@@ -241,6 +263,27 @@ def test_console_block(block: Block, tmp_path: Path) -> None:
         assert _normalize(actual) == _normalize("\n".join(command.shown)), (
             f"{block.where}: `pipec {shlex.join(command.argv)}` now prints:\n{actual}"
         )
+
+
+@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=_ids(PYTHON_BLOCKS))
+def test_python_block(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if "excerpt" in block.attrs:
+        source = [line.rstrip() for line in (ROOT / block.attrs["excerpt"]).read_text().splitlines()]
+        shown = [line.rstrip() for line in block.text.splitlines()]
+        found = any(source[i : i + len(shown)] == shown for i in range(len(source) - len(shown) + 1))
+        assert found, f"{block.where}: not an excerpt of {block.attrs['excerpt']} any more"
+        return
+    code = compile(block.text, block.where, "exec")
+    if "sketch" in block.flags:
+        for node in ast.walk(ast.parse(block.text)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pipec"):
+                module = importlib.import_module(node.module)
+                missing = [a.name for a in node.names if not hasattr(module, a.name)]
+                assert not missing, f"{block.where}: {node.module} has no {', '.join(missing)}"
+        return
+    _scratch_with_files(read_blocks(block.doc), tmp_path)
+    monkeypatch.chdir(tmp_path)
+    exec(code, {"__name__": "__doc_block__"})
 
 
 EXAMPLE_FILES = sorted(EXAMPLES.glob("*.pipe"))

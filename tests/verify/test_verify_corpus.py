@@ -82,8 +82,9 @@ def test_the_counterexample_in_the_docs_is_real(
     doc: str, case: str, args: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     text = (ROOT / "docs" / doc).read_text()
-    command = f"$ pipec check tests/bad_schedules/{case}{''.join(' ' + a for a in args)}\n"
-    shown = text[text.index(command) + len(command) : text.index("# exit 1", text.index(command))]
+    command = f"$ pipec check tests/bad_schedules/{case}{''.join(' ' + a for a in args)}"
+    start = text.index("\n", text.index(command)) + 1
+    shown = text[start : text.index("\n```", start)].removesuffix("# exit 1")
     code = main(["check", str(CORPUS / case), *args])
     out = capsys.readouterr().out
     assert code == 1

@@ -19,7 +19,8 @@ import pipec.verify as verify_package
 from pipec.cli import main
 from pipec.frontend.expand import op_spans
 from pipec.ir import Action, Kind
-from pipec.verify import explain, verify
+from pipec.verify import verify
+from pipec.verify.deadlock import explain
 
 DIAGNOSTICS = Path(__file__).parent / "diagnostics"
 CORPUS = Path(__file__).parent / "bad_schedules"

@@ -9,7 +9,6 @@ Linear in the number of instructions.
 from __future__ import annotations
 
 from pipec.ir import Program
-from pipec.verify.deadlock import channels
 from pipec.verify.flat import RECV_F, SEND_B, SEND_F, Flat, flatten
 
 _MAX_REPORTED = 6
@@ -23,7 +22,7 @@ def check_p2p_order(program: Program, flat: Flat | None = None) -> list[str]:
     # the receive each send should meet: SEND_F(s, m) -> RECV_F(s+1, m), SEND_B(s, m) -> RECV_B(s-1, m)
     expects = {SEND_F: step + 1, SEND_B: -step + 1}
     problems = []
-    for (src, dst), (sends, recvs) in sorted(channels(program, flat).items()):
+    for (src, dst), (sends, recvs) in sorted(flat.channels.items()):
         for k, ((i, send), (j, recv)) in enumerate(zip(sends, recvs, strict=False)):
             if send + expects[send & 7] != recv:
                 wanted = recv - (step + 1 if recv & 7 == RECV_F else -step + 1)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from itertools import accumulate, chain, repeat
 from typing import NamedTuple
 
-from pipec.verify.flat import RECV_B, RECV_F, SEND_F, F, Flat, W
+from pipec.verify.flat import RECV_B, RECV_F, SEND_F, B, F, Flat, I, W, counterpart_shift, receive_shift
 
 # A gate: (rank q whose counter it reads, items, thresholds). Items and thresholds are nondecreasing; the gate
 # holds up every item from the first whose threshold q's counter has not reached. Which counter, and what the items
@@ -91,9 +91,10 @@ def find_batches(flat: Flat) -> Batches:
         deque(map(of_unit.__setitem__, batch_units[rank], range(len(batch_units[rank]))), maxlen=0)  # a C loop
         batch_of_op.append(list(map(of_unit.__getitem__, unit_of[rank])))
     needs: list[list[tuple[int, int]]] = []
+    feeds = (receive_shift(F), receive_shift(B), receive_shift(I))  # by code
     for rank, ops in enumerate(ops_keys):
         computes = [(i, k) for i, k in ops if k & 7 < W]  # F, B, I
-        hits = map(where.get, [k + RECV_F if k & 7 == F else k - (k & 7) + RECV_B for _, k in computes])
+        hits = map(where.get, [k + feeds[k & 7] for _, k in computes])  # the receive that feeds it
         rank_starts, rank_unit_of, rank_batch = starts[rank], unit_of[rank], batch_of_op[rank]
         needs.append(
             [
@@ -150,12 +151,13 @@ def tagged_gates(flat: Flat, batches: Batches) -> Gates:
     host to pass that send. A receive whose message no stream sends never completes."""
     ranks = len(batches.ends)
     gates = Gates.empty(ranks)
-    where, unit_of, step = flat.where, flat.unit_of, flat.mbs * 8
+    where, unit_of = flat.where, flat.unit_of
+    to_send_f, to_send_b = counterpart_shift(RECV_F, flat.mbs), counterpart_shift(RECV_B, flat.mbs)
     conditions: list[dict[int, list[tuple[int, int]]]] = [{} for _ in range(ranks)]  # batch -> (q, threshold)
     for (_, dst), (_, recvs) in flat.channels.items():
         rank_conditions, rank_batch = conditions[dst], batches.of_op[dst]
         for j, key in recvs:  # the key of the send of the same message: the stage before (RECV_F) or after
-            hit = where.get(key - step - 1 if key & 7 == RECV_F else key + step - 1)
+            hit = where.get(key + (to_send_f if key & 7 == RECV_F else to_send_b))
             batch = rank_batch[j]
             if hit is None:
                 gates.tagged_dead[dst] = True

@@ -8,8 +8,8 @@ a lockstep timing (for the explanation's grid) and why each stuck rank waits (`B
 The steps: `_plan` (what the run reads: batches, each op's partner, each compute's batches, the local waits),
 `_State` (the counters, which only grow), `_batch_completer` (complete a batch once its partners run) and
 `_host_mover` (move a rank as far as it goes), driven by `run_streams`; `_blocked_reason` reads the final state.
-The two movers are closures over the plan and the state: the run's inner loops read them as cell variables, which
-is what the loop of one function did (bench/check.py's explanation of a deadlock measures it).
+The two movers are closures over the plan and the state, so the run's inner loops read them as cell variables, as
+they did when the run was one function.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import NamedTuple
 from pipec.ir import Program
 from pipec.verify.deadlock.rule import IN_ORDER, check_model, flat_for
 from pipec.verify.deadlock.runs import Blocked, StreamRun, Wait, cut_units
-from pipec.verify.flat import RECV_B, RECV_F, SEND_F, B, F, Flat, I
+from pipec.verify.flat import RECV_B, RECV_F, SEND_F, B, F, Flat, I, W, counterpart_shift, receive_shift
 
 
 class _Plan(NamedTuple):
@@ -69,7 +69,8 @@ def _batches(flat: Flat, ends: list[int]) -> tuple[list[list[int]], list[dict[in
 def _partners(flat: Flat, nccl: bool) -> list[dict[int, tuple[int, int]]]:
     """What each send/recv op waits for (`_Plan.partner`)."""
     partner: list[dict[int, tuple[int, int]]] = [{} for _ in flat.starts]
-    where, step = flat.where, flat.mbs * 8
+    where = flat.where
+    to_send_f, to_send_b = counterpart_shift(RECV_F, flat.mbs), counterpart_shift(RECV_B, flat.mbs)
     for (src, dst), (sends, recvs) in flat.channels.items():
         if nccl:
             for (i, _), (j, _) in zip(sends, recvs, strict=False):
@@ -77,7 +78,7 @@ def _partners(flat: Flat, nccl: bool) -> list[dict[int, tuple[int, int]]]:
                 partner[dst][j] = (src, i)
         else:
             for j, key in recvs:  # the key of the send of its message: the stage before (RECV_F) or after
-                hit = where.get(key - step - 1 if key & 7 == RECV_F else key + step - 1)
+                hit = where.get(key + (to_send_f if key & 7 == RECV_F else to_send_b))
                 partner[dst][j] = hit if hit is not None else (-1, -1)
     return partner
 
@@ -86,17 +87,14 @@ def _needs(flat: Flat, batch_of_unit: list[dict[int, int]]) -> list[dict[int, li
     """Per rank, per compute unit: the batches holding the receives it consumes (those before it in the stream)."""
     starts, unit_of, where = flat.starts, flat.unit_of, flat.where
     needs: list[dict[int, list[int]]] = [{} for _ in starts]
+    feeds = (receive_shift(F), receive_shift(B), receive_shift(I))  # by code: F, B, I read a message; W does not
     for rank, rank_ops in enumerate(flat.ops):
         rank_needs, rank_starts, rank_unit_of = needs[rank], starts[rank], unit_of[rank]
         for index, key in rank_ops:
             code = key & 7
-            if code == F:
-                wanted = key - F + RECV_F
-            elif code == B or code == I:
-                wanted = key - code + RECV_B
-            else:
+            if code >= W:
                 continue
-            hit = where.get(wanted)
+            hit = where.get(key + feeds[code])
             unit = rank_unit_of[index]
             if hit is not None and hit[0] == rank and hit[1] < rank_starts[unit]:
                 rank_needs.setdefault(unit, []).append(batch_of_unit[rank][rank_unit_of[hit[1]]])

@@ -66,6 +66,15 @@ def peer_of(action: Action, stage_to_rank: Sequence[int]) -> int:
     return stage_to_rank[peer_stage(action)]
 
 
+def receiving_ranks(stage_to_rank: Sequence[int]) -> tuple[list[int | None], list[int | None]]:
+    """Per stage, the rank its forward output goes to (stage + 1's) and the rank its input gradient goes to
+    (stage - 1's); None at the ends. Whether a message crosses ranks is then a comparison with the sender's rank."""
+    last = len(stage_to_rank) - 1
+    forward_to = [stage_to_rank[s + 1] if s < last else None for s in range(last + 1)]
+    backward_to = [stage_to_rank[s - 1] if s > 0 else None for s in range(last + 1)]
+    return forward_to, backward_to
+
+
 def counterpart(action: Action) -> Action:
     """The op a send or receive pairs with by name: SEND_F(s, m) <-> RECV_F(s+1, m), SEND_B(s, m) <-> RECV_B(s-1, m)."""
     stage, kind, mb = action

@@ -121,6 +121,23 @@ def send_for(action: Action) -> Action | None:
     return None
 
 
+def consumers(receive: Action) -> tuple[Action, ...]:
+    """The compute actions a receive feeds: RECV_F(s, m) -> F(s, m); RECV_B(s, m) -> B(s, m) or I(s, m)."""
+    stage, kind, mb = receive
+    if kind is Kind.RECV_F:
+        return (Action(stage, Kind.F, mb),)
+    return (Action(stage, Kind.B, mb), Action(stage, Kind.I, mb))
+
+
+def producers(send: Action) -> tuple[Action, ...]:
+    """The compute actions whose result a send carries: SEND_F(s, m) <- F(s, m); SEND_B(s, m) <- B(s, m) or
+    I(s, m)."""
+    stage, kind, mb = send
+    if kind is Kind.SEND_F:
+        return (Action(stage, Kind.F, mb),)
+    return (Action(stage, Kind.B, mb), Action(stage, Kind.I, mb))
+
+
 def remote_input(action: Action, rank: int, stage_to_rank: Sequence[int], last: int) -> Action | None:
     """The RECV this compute action (on ``rank``) needs, if its input comes from another rank."""
     stage, kind, _ = action

@@ -7,15 +7,18 @@ import pytest
 from pipec.ir import Action, Kind
 from pipec.p2p_rule import (
     DEFAULT_DURATION,
+    consumers,
     counterpart,
     is_default,
     message_id,
     output_message,
     peer_of,
     peer_stage,
+    producers,
     receive_for,
     remote_input,
     remote_output,
+    send_for,
 )
 from pipec.sim.costs import DEFAULT_COSTS, Costs
 
@@ -89,3 +92,14 @@ def test_default_costs_are_the_simulators_defaults() -> None:
     assert is_default(DEFAULT_COSTS, 3)
     assert not is_default(Costs(comm=0.5), 3)
     assert not is_default(Costs(F=(1.0, 1.0, 2.0), B=(2.0, 2.0, 3.0)), 3)
+
+
+def test_a_receive_feeds_exactly_the_computes_whose_receive_it_is_and_a_send_carries_its_producers() -> None:
+    for kind in (Kind.RECV_F, Kind.RECV_B):
+        receive = Action(2, kind, 3)
+        assert consumers(receive) and all(receive_for(action) == receive for action in consumers(receive))
+    assert consumers(Action(2, Kind.RECV_B, 3)) == (Action(2, Kind.B, 3), Action(2, Kind.I, 3))
+    for kind in (Kind.SEND_F, Kind.SEND_B):
+        send = Action(2, kind, 3)
+        assert producers(send) and all(send_for(action) == send for action in producers(send))
+    assert producers(Action(2, Kind.SEND_F, 3)) == (Action(2, Kind.F, 3),)

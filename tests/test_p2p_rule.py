@@ -103,3 +103,26 @@ def test_a_receive_feeds_exactly_the_computes_whose_receive_it_is_and_a_send_car
         send = Action(2, kind, 3)
         assert producers(send) and all(send_for(action) == send for action in producers(send))
     assert producers(Action(2, Kind.SEND_F, 3)) == (Action(2, Kind.F, 3),)
+
+
+@pytest.mark.parametrize("model", ["nccl", "tagged"])
+def test_the_simulators_inlined_message_ids_pair_exactly_the_rules_counterparts(model: str) -> None:
+    """The host loop and the ideal model compute message ids inline (measured hot loops): every message they match
+    must be a send and its p2p_rule counterpart, between the ranks peer_of names, with one id for both."""
+    import random
+
+    from pipec.passes.p2p import insert_p2p_ops
+    from pipec.sim import simulate
+    from pipec.testing.orders import random_program
+
+    for seed in range(30):
+        program = insert_p2p_ops(random_program(random.Random(seed)))
+        where, n_mb = program.stage_to_rank, program.microbatches
+        result = simulate(program, record=True, p2p=model)
+        sends = sum(1 for s in program.streams for x in s if type(x) is Action and x.kind in (Kind.SEND_F, Kind.SEND_B))
+        assert len(result.messages) == sends
+        for m in result.messages:
+            assert counterpart(m.send) == m.recv and message_id(m.send, n_mb) == message_id(m.recv, n_mb)
+            assert peer_of(m.send, where) == m.dst and peer_of(m.recv, where) == m.src
+        ideal = simulate(program, record=True, p2p="ideal")
+        assert sorted(map(str, (m.send for m in ideal.messages))) == sorted(map(str, (m.send for m in result.messages)))

@@ -30,8 +30,7 @@ sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 import pipec  # noqa: E402
 from pipec.errors import PipecError  # noqa: E402
-from pipec.verify import verify  # noqa: E402
-from pipec.verify.deadlock import check_deadlock  # noqa: E402
+from pipec.verify import check_deadlock, verify  # noqa: E402
 
 
 def _median(fn, repeat: int) -> tuple[float, object]:

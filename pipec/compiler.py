@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from pipec.emit import load_json, load_text, load_torch_csv
-from pipec.errors import PipecError, PipecInputError
+from pipec.errors import PipecInputError
 from pipec.frontend.ast import Schedule
 from pipec.frontend.expand import ChooseSpec, prepare, run_choose
 from pipec.frontend.limits import check_sizes
@@ -109,20 +109,10 @@ def compile_program(
 
 
 def place_p2p(program: Program, costs: Costs | None = None) -> Program:
-    """Send/recv placed for ``costs``: the replay timed with them, unless the default placement simulates faster
-    under them (nccl, the runtime's rule). A list schedule is a heuristic: timing it with the user's costs is
-    faster more often than not, but not always (measured on random programs and costs: faster in about 59% of
-    cases, slower in 18%), and the user should never get a slower schedule for having said what their costs are."""
-    default = insert_p2p_ops(program)
+    """Send/recv placed for ``costs``: the default placement (None), else the replay timed with them unless the
+    default placement simulates faster under them (pipec.sim.placement; the simulator is loaded only then)."""
     if costs is None:
-        return default
-    timed = insert_p2p_ops(program, costs)
-    if timed.streams == default.streams:
-        return default
-    from pipec.sim.simulate import simulate
+        return insert_p2p_ops(program)
+    from pipec.sim.placement import fastest_placement
 
-    try:
-        faster = simulate(timed, costs, p2p="nccl").makespan < simulate(default, costs, p2p="nccl").makespan
-    except PipecError:  # a structurally invalid program: the verifier, not the placement, will say why
-        return default
-    return timed if faster else default
+    return fastest_placement(program, costs)

@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "pipec"
 # module that matches only `pipec` lands in the top layer, so a lower module importing it fails until it is placed.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("pipec.errors", "pipec.frontend.limits", "pipec.gcpause", "pipec.outputs"),  # leaves every layer may use
-    ("pipec.ir",),
+    ("pipec.ir", "pipec.p2p_rule"),  # the IR and the point-to-point rule every engine applies
     ("pipec.frontend", "pipec.passes", "pipec.library"),
     ("pipec.verify", "pipec.emit"),
     ("pipec.sim", "pipec.compiler"),  # the simulator runs the verifier's liveness and p2p engines

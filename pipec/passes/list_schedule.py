@@ -25,29 +25,18 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 from pipec.errors import PipecInputError
 from pipec.frontend.limits import MAX_SECONDS, MAX_STEPS, check_sizes
 from pipec.ir import DEFAULT_INPUT_FRACTION, MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas
+from pipec.p2p_rule import DEFAULT_DURATION, CostModel, receiving_ranks
 
 NEVER = Fraction(10**18)  # the gap when no waiting input of the rank is known to be on its way
-_DEFAULT = {Kind.F: 1.0, Kind.B: 2.0, Kind.I: 1.0, Kind.W: 1.0}  # pipec.sim's default costs
-
-
-class Durations(Protocol):
-    """What the scheduler reads of a cost model (pipec.sim.costs.Costs has it; passes sit below the simulator)."""
-
-    @property
-    def message_time(self) -> float: ...
-
-    @property
-    def overlap(self) -> bool: ...
-
-    def per_stage(self, stages: int) -> Mapping[Kind, Sequence[float]]: ...
+Durations = CostModel  # the name frontend/expand.py imports the cost protocol by (pipec.p2p_rule declares it)
 
 
 class Candidate(NamedTuple):
@@ -95,7 +84,7 @@ class Timeline(NamedTuple):
 def list_schedule(
     template: Program,
     rules: Rules,
-    costs: Durations | None = None,
+    costs: CostModel | None = None,
     input_fraction: float = DEFAULT_INPUT_FRACTION,
     stage_sizes: Sequence[float] | None = None,
     max_steps: int = MAX_STEPS,
@@ -109,7 +98,7 @@ def list_schedule(
 def schedule_timeline(
     template: Program,
     rules: Rules,
-    costs: Durations | None = None,
+    costs: CostModel | None = None,
     input_fraction: float = DEFAULT_INPUT_FRACTION,
     stage_sizes: Sequence[float] | None = None,
     max_steps: int = MAX_STEPS,
@@ -124,8 +113,9 @@ def schedule_timeline(
             f"the rules take {[k.value for k in rules.takes]}; this schedule needs exactly "
             f"{sorted(k.value for k in needed)}"
         )
-    table = {k: list(_DEFAULT[k] for _ in where) for k in _DEFAULT} if costs is None else costs.per_stage(last + 1)
+    table = {k: [d] * (last + 1) for k, d in DEFAULT_DURATION.items()} if costs is None else costs.per_stage(last + 1)
     dur = {k: [Fraction(str(x)) for x in table[k]] for k in rules.takes}
+    forward_to, backward_to = receiving_ranks(where)  # where each stage's output and input gradient go
     delay = Fraction(str(costs.message_time)) if costs is not None else Fraction(0)
     post = Fraction(0) if costs is None or costs.overlap else delay
     # forward-only: each activation is freed once sent on (peak_activations' model), so memory never binds
@@ -279,12 +269,12 @@ def schedule_timeline(
                 sends = 0
                 for key in made:
                     done[key] = end  # recorded now, but nothing reads it before `end` (readiness is checked <= now)
-                    peer = (key[0] + 1 if key[1] == "F" else key[0] - 1) if key[1] != "I" else None
-                    if peer is not None and 0 <= peer <= last and where[peer] != rank:
+                    peer = forward_to[s] if key[1] == "F" else backward_to[s] if key[1] == "G" else None
+                    if peer is not None and peer != rank:
                         # wakes the peer when the message arrives; a consumer on this rank waits for this rank anyway
                         sends += 1
                         seq += 1
-                        heapq.heappush(events, (end + delay, seq, where[peer], Action(s, kind, mb)))
+                        heapq.heappush(events, (end + delay, seq, peer, Action(s, kind, mb)))
                 busy[rank] = True
                 seq += 1
                 heapq.heappush(events, (end + post * sends, seq, rank, None))  # free again, its sends posted

@@ -35,49 +35,26 @@ The relative order of compute instructions is unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from pipec.errors import PipecInputError
 from pipec.ir import Action, Instruction, Kind, Program
+from pipec.p2p_rule import DEFAULT_DURATION, CostModel, is_default, receiving_ranks, remote_input, remote_output
 
 
-class Costs(Protocol):
-    """What the replay reads of a cost model (pipec.sim.costs.Costs has it; the pass is below the simulator)."""
-
-    @property
-    def message_time(self) -> float: ...
-
-    @property
-    def overlap(self) -> bool: ...
-
-    def per_stage(self, stages: int) -> Mapping[Kind, Sequence[float]]: ...
-
-
-# the default costs of pipec.sim (messages free): the replay times the compute orders with them
-_DURATION = {Kind.F: 1, Kind.B: 2, Kind.I: 1, Kind.W: 1}
-
-
-def insert_p2p_ops(program: Program, costs: Costs | None = None) -> Program:
+def insert_p2p_ops(program: Program, costs: CostModel | None = None) -> Program:
     """The program with SEND/RECV placed by a timed replay of its compute orders under ``costs`` (None: the
     default costs, F=1, B=2, I=1, W=1, messages free)."""
     if program.has_comms:
         raise PipecInputError("the program already has send/recv instructions")
-    if costs is None or _is_default(costs, program.num_stages):
+    if costs is None or is_default(costs, program.num_stages):
         # the integer replay: the default costs are whole numbers, so keys pack into ints (the fast path, and the
         # placement every existing output was made with)
         items, done, position = _replay_default(program)
     else:
         items, done, position = _replay_timed(program, costs)
     return _place(program, items, done, position)
-
-
-def _is_default(costs: Costs, stages: int) -> bool:
-    """Whether ``costs`` time the replay exactly as the defaults do (memory fields and overlap do not matter)."""
-    if costs.message_time != 0:
-        return False
-    table = costs.per_stage(stages)  # raises on a per-stage list of the wrong length, naming the key
-    return all(all(v == _DURATION[kind] for v in row) for kind, row in table.items())
 
 
 def _replay_default(program: Program) -> tuple[list[list[tuple]], dict, list[int]]:
@@ -90,8 +67,8 @@ def _replay_default(program: Program) -> tuple[list[list[tuple]], dict, list[int
     # forward ran, G the input gradient exists (B or I ran), I the I ran (W may run). Value: when it ends.
     done: dict[tuple[int, str, int], int] = {}
     # per stage, the rank its output goes to (forward: stage + 1, backward: stage - 1), None at the ends
-    forward_to = [where[s + 1] if s < last else None for s in range(last + 1)]
-    backward_to = [where[s - 1] if s > 0 else None for s in range(last + 1)]
+    forward_to, backward_to = receiving_ranks(where)
+    duration = DEFAULT_DURATION
     new = tuple.__new__  # builds an Action without the NamedTuple's Python-level __new__ (800k of them at scale)
     f, b, i_ = Kind.F, Kind.B, Kind.I
     send_f, recv_f, send_b, recv_b = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
@@ -107,10 +84,10 @@ def _replay_default(program: Program) -> tuple[list[list[tuple]], dict, list[int
         mine.append((((start << 1) | 1) * span + index, instruction))
         if type(instruction) is Action:
             parts: tuple[Action, ...] = (instruction,)
-            end = start + _DURATION.get(instruction[1], 0)
+            end = start + duration.get(instruction[1], 0)
         else:
             parts = instruction.parts
-            end = start + sum(_DURATION.get(kind, 0) for _, kind, _ in parts)
+            end = start + sum(duration.get(kind, 0) for _, kind, _ in parts)
         at = (end << 1) * span  # messages sort before computes at equal times
         made = []
         for stage, kind, mb in parts:
@@ -118,7 +95,7 @@ def _replay_default(program: Program) -> tuple[list[list[tuple]], dict, list[int
                 made.append((stage, "F", mb))
                 peer = forward_to[stage] if 0 <= stage <= last else None
                 if peer is not None and peer != rank:
-                    key = at + (stage * n_mb + mb) * 2  # the same message id on both ranks
+                    key = at + (stage * n_mb + mb) * 2  # p2p_rule.message_id, inlined: the same on both ranks
                     mine.append((key, new(Action, (stage, send_f, mb))))
                     items[peer].append((key, new(Action, (stage + 1, recv_f, mb))))
             elif kind is b or kind is i_:
@@ -140,7 +117,7 @@ def _replay_default(program: Program) -> tuple[list[list[tuple]], dict, list[int
     return items, done, position
 
 
-def _replay_timed(program: Program, costs: Costs) -> tuple[list[list[tuple]], dict, list[int]]:
+def _replay_timed(program: Program, costs: CostModel) -> tuple[list[list[tuple]], dict, list[int]]:
     """The list schedule with the user's costs, the same rules as _replay_default, in float times.
 
     A time is (t, eps): eps counts zero-length steps at time t, so that an op's end is always strictly after its
@@ -159,8 +136,7 @@ def _replay_timed(program: Program, costs: Costs) -> tuple[list[list[tuple]], di
     delay = costs.message_time
     post = 0.0 if costs.overlap else delay
     done: dict[tuple[int, str, int], tuple[float, int]] = {}
-    forward_to = [where[s + 1] if s < last else None for s in range(last + 1)]
-    backward_to = [where[s - 1] if s > 0 else None for s in range(last + 1)]
+    forward_to, backward_to = receiving_ranks(where)
     new = tuple.__new__
     f, b, i_ = Kind.F, Kind.B, Kind.I
     send_f, recv_f, send_b, recv_b = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
@@ -188,7 +164,7 @@ def _replay_timed(program: Program, costs: Costs) -> tuple[list[list[tuple]], di
                 made.append((stage, "F", mb))
                 peer = forward_to[stage] if 0 <= stage <= last else None
                 if peer is not None and peer != rank:
-                    key = (end[0], end[1], 0, (stage * n_mb + mb) * 2)
+                    key = (end[0], end[1], 0, (stage * n_mb + mb) * 2)  # p2p_rule.message_id, inlined
                     mine.append((key, new(Action, (stage, send_f, mb))))
                     items[peer].append((key, new(Action, (stage + 1, recv_f, mb))))
                     sends += 1
@@ -270,12 +246,12 @@ def _place(program: Program, items: list[list[tuple]], done: dict, position: lis
         # The replay stopped early only if the compute order cannot run: place the rest by the plain rule.
         for instruction in streams[rank][position[rank] :]:
             for action in instruction.parts:
-                receive = _remote_input(action, rank, where, last)
+                receive = remote_input(action, rank, where, last)
                 if receive is not None and _producer(action) not in done:
                     placed.append(receive)
             placed.append(instruction)
             for action in instruction.parts:
-                message = _remote_output(action, rank, where, last)
+                message = remote_output(action, rank, where, last)
                 if message is not None:
                     placed.append(message[0])
         out.append(placed)
@@ -312,24 +288,4 @@ def _producer(action: Action) -> tuple[int, str, int] | None:
         return (stage - 1, "F", mb)
     if kind is Kind.B or kind is Kind.I:
         return (stage + 1, "G", mb)
-    return None
-
-
-def _remote_input(action: Action, rank: int, where: tuple[int, ...], last: int) -> Action | None:
-    """The RECV this compute action needs, if its input comes from another rank."""
-    stage, kind, mb = action
-    if kind is Kind.F and 0 < stage <= last and where[stage - 1] != rank:
-        return Action(stage, Kind.RECV_F, mb)
-    if (kind is Kind.B or kind is Kind.I) and 0 <= stage < last and where[stage + 1] != rank:
-        return Action(stage, Kind.RECV_B, mb)
-    return None
-
-
-def _remote_output(action: Action, rank: int, where: tuple[int, ...], last: int) -> tuple[Action, int, Action] | None:
-    """(SEND, receiving rank, RECV) for an output another rank consumes."""
-    stage, kind, mb = action
-    if kind is Kind.F and 0 <= stage < last and where[stage + 1] != rank:
-        return Action(stage, Kind.SEND_F, mb), where[stage + 1], Action(stage + 1, Kind.RECV_F, mb)
-    if (kind is Kind.B or kind is Kind.I) and 0 < stage <= last and where[stage - 1] != rank:
-        return Action(stage, Kind.SEND_B, mb), where[stage - 1], Action(stage - 1, Kind.RECV_B, mb)
     return None

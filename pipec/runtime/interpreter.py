@@ -77,6 +77,7 @@ import torch.distributed as dist
 
 from pipec.errors import PipecError
 from pipec.ir import Action, Instruction, Kind, Overlap, Program
+from pipec.p2p_rule import peer_of, receive_for
 from pipec.runtime.stages import Boundary, Stage, detached, tensors, to_boundary
 from pipec.runtime.timing import Clock, HostClock
 from pipec.verify.memory import DEFAULT_INPUT_FRACTION
@@ -376,7 +377,7 @@ def send_f(ctx: Context, action: Action):
     s, _, m = action
     value = ctx.acts.pop((s + 1, m))
     _check_sent(ctx.shapes[s], value, s, m)
-    return _sends(value, ctx.stage_to_rank[s + 1])
+    return _sends(value, peer_of(action, ctx.stage_to_rank))
 
 
 def _check_sent(boundary: Boundary, value, s: int, m: int) -> None:
@@ -400,7 +401,7 @@ def _check_sent(boundary: Boundary, value, s: int, m: int) -> None:
 
 def recv_f(ctx: Context, action: Action):
     s, _, m = action
-    boundary, peer = ctx.shapes[s - 1], ctx.stage_to_rank[s - 1]
+    boundary, peer = ctx.shapes[s - 1], peer_of(action, ctx.stage_to_rank)
     parts = _buffers(ctx, ("F", s), boundary)
     ctx.received["F", s, m] = parts
     value = parts if boundary.is_tuple else parts[0]
@@ -409,12 +410,12 @@ def recv_f(ctx: Context, action: Action):
 
 def send_b(ctx: Context, action: Action):
     s, _, m = action
-    return _sends(ctx.grads.pop((s - 1, m)), ctx.stage_to_rank[s - 1])
+    return _sends(ctx.grads.pop((s - 1, m)), peer_of(action, ctx.stage_to_rank))
 
 
 def recv_b(ctx: Context, action: Action):
     s, _, m = action
-    boundary, peer = ctx.shapes[s], ctx.stage_to_rank[s + 1]
+    boundary, peer = ctx.shapes[s], peer_of(action, ctx.stage_to_rank)
     parts = _buffers(ctx, ("B", s), boundary)
     ctx.received["B", s, m] = parts
     return [(False, t, peer) for t in parts], ctx.grads, (s, m), parts
@@ -539,15 +540,6 @@ class Entry(NamedTuple):
         return " ".join(map(str, self.actions))
 
 
-def _needs(action: Action) -> tuple | None:
-    """What a compute action consumes from a receive: RECV_F(s, m) feeds F(s, m), RECV_B(s, m) feeds B/I(s, m)."""
-    if action.kind is Kind.F:
-        return ("F", action.stage, action.mb)
-    if action.kind is Kind.B or action.kind is Kind.I:
-        return ("B", action.stage, action.mb)
-    return None
-
-
 def plan(stream: tuple[Instruction, ...], receives_ahead: int = 0) -> list[Entry]:
     """The stream as plan entries: each compute instruction alone, each maximal run of SEND/RECV one batch.
     Each compute entry lists the batches it must wait for (rule 2), found once here rather than every step.
@@ -567,12 +559,12 @@ def plan(stream: tuple[Instruction, ...], receives_ahead: int = 0) -> list[Entry
             items.append((index, instruction))
 
     entries: list[Entry] = []
-    held: dict[tuple, int] = {}  # what a posted receive will provide -> the plan entry of its batch
+    held: dict[Action, int] = {}  # a posted receive -> the plan entry of its batch
 
     def post(actions: list[Action], first: int) -> None:
         for action in actions:
             if action.kind.is_recv:
-                held["F" if action.kind is Kind.RECV_F else "B", action.stage, action.mb] = len(entries)
+                held[action] = len(entries)
         entries.append(Entry(communicate, tuple(actions), first))
 
     for item in items:
@@ -591,7 +583,7 @@ def plan(stream: tuple[Instruction, ...], receives_ahead: int = 0) -> list[Entry
             continue
         index, instruction = item
         parts = instruction.parts if isinstance(instruction, Overlap) else (instruction,)
-        waits = [held.pop(key) for key in map(_needs, parts) if key in held]
+        waits = [held.pop(key) for key in map(receive_for, parts) if key in held]  # the receives feeding it
         entries.append(Entry(compute, parts, index, tuple(dict.fromkeys(waits))))
     return entries
 

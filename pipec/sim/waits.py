@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from pipec.ir import Action, Kind
+from pipec.ir import Action
+from pipec.p2p_rule import SENDS, receive_for
 
 _EPS = 1e-9
-_NEEDS = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B, Kind.I: Kind.RECV_B}
 
 
 class Wait(NamedTuple):
@@ -76,14 +76,14 @@ def find_waits(result) -> list[Wait]:
                             f"{end:g} (rank {peer})",
                         )
                     )
-                host += post_cost * sum(1 for a in batch.instruction if a.kind in (Kind.SEND_F, Kind.SEND_B))
+                host += post_cost * sum(1 for a in batch.instruction if a.kind in SENDS)
                 previous = batch
                 continue
             op = next(compute)
             pos += 1
             ready, needed = host, None
             for action in op.instruction.parts:
-                recv = Action(action.stage, _NEEDS[action.kind], action.mb) if action.kind in _NEEDS else None
+                recv = receive_for(action)
                 if recv in batch_of and (rank, recv) in arrival:
                     needed = recv
                     ready = max(ready, arrival[(rank, recv)][0])
@@ -125,30 +125,7 @@ def critical_waits(result) -> list[Wait]:
     for m in result.messages:
         peer_of[(m.dst, m.recv)] = (m.src, m.send, m.end)
         peer_of[(m.src, m.send)] = (m.dst, m.recv, m.end)
-    # per rank, the host's items in stream order: (op, is_batch, when the host reached it)
-    items: list[list[tuple]] = []
-    where: dict[int, tuple[int, int]] = {}  # id(op) -> (rank, index in items[rank])
-    batch_of: dict[tuple[int, Action], object] = {}
-    for rank, line in enumerate(result.timeline):
-        compute = iter(op for op in line if not op.is_comm)
-        batches = iter(op for op in line if op.is_comm)
-        stream, host, pos, mine = program.streams[rank], 0.0, 0, []
-        while pos < len(stream):
-            instruction = stream[pos]
-            if type(instruction) is Action and instruction.kind.is_comm:
-                op = next(batches)
-                mine.append((op, True, host))
-                for action in op.instruction:
-                    batch_of[(rank, action)] = op
-                pos += len(op.instruction)
-                host += post_cost * sum(1 for a in op.instruction if a.kind in (Kind.SEND_F, Kind.SEND_B))
-            else:
-                op = next(compute)
-                mine.append((op, False, host))
-                pos += 1
-                host = op.end
-            where[id(op)] = (rank, len(mine) - 1)
-        items.append(mine)
+    items, where, batch_of = _host_items(result, post_cost)
     last = max((item for mine in items for item in mine), key=lambda item: item[0].end, default=None)
     waits: list[Wait] = []
     # what to explain: ("start", op) for a compute op or a batch, ("end", batch), ("host", rank, index)
@@ -194,11 +171,8 @@ def critical_waits(result) -> list[Wait]:
             )
             node = ("end", previous)
             continue
-        needed = [
-            (rank, Action(a.stage, _NEEDS[a.kind], a.mb))
-            for a in op.instruction.parts
-            if a.kind in _NEEDS and (rank, Action(a.stage, _NEEDS[a.kind], a.mb)) in batch_of
-        ]
+        receives = (receive_for(a) for a in op.instruction.parts)
+        needed = [(rank, recv) for recv in receives if recv is not None and (rank, recv) in batch_of]
         batch = max((batch_of[key] for key in needed), key=lambda b: b.end)
         data = max([reached] + [peer_of[key][2] for key in needed])
         if data < op.start - _EPS:
@@ -241,6 +215,35 @@ def critical_waits(result) -> list[Wait]:
         node = ("start", own)
     waits.reverse()
     return waits
+
+
+def _host_items(result, post_cost: float) -> tuple[list[list[tuple]], dict[int, tuple[int, int]], dict]:
+    """Per rank, the host's items in stream order: (op, is_batch, when the host reached it); where each op is
+    (id(op) -> (rank, index in items[rank])); and the batch holding each (rank, send/recv action)."""
+    items: list[list[tuple]] = []
+    where: dict[int, tuple[int, int]] = {}
+    batch_of: dict[tuple[int, Action], object] = {}
+    for rank, line in enumerate(result.timeline):
+        compute = iter(op for op in line if not op.is_comm)
+        batches = iter(op for op in line if op.is_comm)
+        stream, host, pos, mine = result.program.streams[rank], 0.0, 0, []
+        while pos < len(stream):
+            instruction = stream[pos]
+            if type(instruction) is Action and instruction.kind.is_comm:
+                op = next(batches)
+                mine.append((op, True, host))
+                for action in op.instruction:
+                    batch_of[(rank, action)] = op
+                pos += len(op.instruction)
+                host += post_cost * sum(1 for a in op.instruction if a.kind in SENDS)
+            else:
+                op = next(compute)
+                mine.append((op, False, host))
+                pos += 1
+                host = op.end
+            where[id(op)] = (rank, len(mine) - 1)
+        items.append(mine)
+    return items, where, batch_of
 
 
 def _latest_done(actions, rank: int, peer_of) -> Action:

@@ -22,6 +22,7 @@ from dataclasses import replace
 from hypothesis import strategies as st
 
 from pipec.ir import Action, Instruction, Kind, Program, loop_placement, v_placement
+from pipec.p2p_rule import consumers, producers, remote_input, remote_output
 from pipec.passes.p2p import insert_p2p_ops
 
 COMPUTE_MUTATIONS = ("swap", "swap_adjacent", "drop", "duplicate", "misplace", "naive_recvs")
@@ -98,17 +99,12 @@ def naive_lowering(program: Program) -> Program:
         out: list[Instruction] = []
         for instruction in stream:
             after = []
-            for stage, kind, mb in instruction.parts:
-                if kind is Kind.F:
-                    if stage > 0 and where[stage - 1] != rank:
-                        out.append(Action(stage, Kind.RECV_F, mb))
-                    if stage < last and where[stage + 1] != rank:
-                        after.append(Action(stage, Kind.SEND_F, mb))
-                elif kind in (Kind.B, Kind.I):
-                    if stage < last and where[stage + 1] != rank:
-                        out.append(Action(stage, Kind.RECV_B, mb))
-                    if stage > 0 and where[stage - 1] != rank:
-                        after.append(Action(stage, Kind.SEND_B, mb))
+            for action in instruction.parts:
+                receive, message = remote_input(action, rank, where, last), remote_output(action, rank, where, last)
+                if receive is not None:
+                    out.append(receive)
+                if message is not None:
+                    after.append(message[0])
             out.append(instruction)
             out.extend(after)
         streams.append(tuple(out))
@@ -147,8 +143,8 @@ def mutated(program: Program, rng: random.Random, mutation: str | None = None) -
         recvs = [i for i, x in enumerate(stream) if _is_comm(x) and x.kind.is_recv]
         def keeps_data_flow(i: int, j: int) -> bool:  # the moved send still follows its producer, recv its reader
             if stream[i].kind in (Kind.SEND_F, Kind.SEND_B):
-                return _position(stream, _producer(stream[j])) < i
-            return _position(stream, _reader(stream[i])) > j
+                return _position(stream, producers(stream[j])) < i
+            return _position(stream, consumers(stream[i])) > j
 
         pairs = [(i, j) for g in (sends, recvs) for i in g for j in g if i < j and keeps_data_flow(i, j)]
         if not pairs:
@@ -162,13 +158,7 @@ def mutated(program: Program, rng: random.Random, mutation: str | None = None) -
             return program, "none"
         i = rng.choice(recvs)
         recv = stream.pop(i)
-        reader = Action(recv.stage, Kind.F, recv.mb) if recv.kind is Kind.RECV_F else None
-        j = next(
-            (k for k in range(i, len(stream)) for a in stream[k].parts
-             if (a == reader) or (reader is None and a.stage == recv.stage and a.mb == recv.mb
-                                  and a.kind in (Kind.B, Kind.I))),
-            len(stream),
-        )
+        j = _position(stream, consumers(recv), i)
         stream.insert(j, recv)
     elif mutation == "naive_recvs" and not program.has_comms:
         return naive_lowering(program), mutation
@@ -187,20 +177,9 @@ def broken_programs(draw, lowered: bool | None = None) -> tuple[Program, str]:
     return mutated(program, rng)
 
 
-def _producer(send: Action) -> tuple[Action, ...]:
-    if send.kind is Kind.SEND_F:
-        return (Action(send.stage, Kind.F, send.mb),)
-    return (Action(send.stage, Kind.B, send.mb), Action(send.stage, Kind.I, send.mb))
-
-
-def _reader(recv: Action) -> tuple[Action, ...]:
-    if recv.kind is Kind.RECV_F:
-        return (Action(recv.stage, Kind.F, recv.mb),)
-    return (Action(recv.stage, Kind.B, recv.mb), Action(recv.stage, Kind.I, recv.mb))
-
-
-def _position(stream: list[Instruction], wanted: tuple[Action, ...]) -> int:
-    return next((k for k, x in enumerate(stream) for a in x.parts if a in wanted), len(stream))
+def _position(stream: list[Instruction], wanted: tuple[Action, ...], start: int = 0) -> int:
+    """The index of the first instruction from ``start`` on holding one of ``wanted`` (len(stream) if none)."""
+    return next((k for k in range(start, len(stream)) for a in stream[k].parts if a in wanted), len(stream))
 
 
 def _is_comm(instruction: Instruction) -> bool:

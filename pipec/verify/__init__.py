@@ -4,7 +4,7 @@
                 pair up one to one and cover every edge between ranks          structure.check_structure
     p2p order   (nccl, torch) each channel's k-th send and k-th receive name the same message
                                                                                 order.check_p2p_order
-    deadlock    every rank's stream runs to its end under the p2p model         deadlock.check_deadlock
+    deadlock    every rank's stream runs to its end under the p2p model         deadlock.check.check_deadlock
     memory      each rank's peak activations stay within the declared bound or --memory-limit
                                                                                 memory.check_memory
 Later passes run only on a structurally sound program (they index stages and pair messages by name). What the
@@ -19,15 +19,8 @@ from dataclasses import dataclass
 
 from pipec.errors import PipecInputError, ScheduleError
 from pipec.ir import Program
-from pipec.verify.deadlock import (
-    IN_ORDER,
-    MODELS,
-    batched,
-    check_deadlock,
-    run_compute_orders,
-    run_streams,
-    streams_finish,
-)
+from pipec.verify.deadlock import IN_ORDER, MODELS, batched, run_compute_orders, run_streams, streams_finish
+from pipec.verify.deadlock.check import check_deadlock
 from pipec.verify.diagnose import placed_by_pipec
 from pipec.verify.flat import flatten
 from pipec.verify.memory import DEFAULT_INPUT_FRACTION, check_memory, peak_activations, validate_memory_model

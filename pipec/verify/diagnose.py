@@ -1,7 +1,7 @@
 """What a deadlock's explanation says first: the rank whose own order closes the cycle, the ops its author wrote
 (with the `.pipe` line that emitted them) and the change that would break the cycle.
 
-The detailed chain of waits (pipec.verify.explain) speaks of the streams as run, send/recv included; most of those
+The detailed chain of waits (verify.deadlock.explain) speaks of the streams as run, send/recv included; most of those
 instructions were placed by pipec, not written by anyone. So the diagnosis looks first at the *compute orders*
 (the program without its send/recv), run on their data dependencies alone: F(s, m) needs F(s-1, m), B/I(s, m)
 need F(s, m) and the backward of (s+1, m), W(s, m) needs I(s, m), wherever those run. When that run is stuck,

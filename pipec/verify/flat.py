@@ -12,6 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from pipec.ir import Action, Kind, Program
+from pipec.p2p_rule import counterpart, receive_for
 
 F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B = range(8)  # noqa: E741 - the op names used everywhere else
 KINDS = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B)
@@ -38,6 +39,22 @@ def code_of(kind: Kind) -> int:
     if kind is Kind.SEND_B:
         return SEND_B
     return RECV_B
+
+
+def counterpart_shift(code: int, mbs: int) -> int:
+    """key(counterpart(a)) - key(a), the same for every send/recv `a` of kind `code` (keys with multiplier `mbs`):
+    pipec.p2p_rule's pairing by name, on keys, for the engines to add inline (SEND_F +(mbs * 8 + 1), RECV_F
+    -(mbs * 8 + 1), SEND_B -(mbs * 8 - 1), RECV_B +(mbs * 8 - 1))."""
+    other = counterpart(Action(0, KINDS[code], 0))
+    return other.stage * mbs * 8 + code_of(other.kind) - code
+
+
+def receive_shift(code: int) -> int:
+    """key(receive_for(a)) - key(a) for a compute `a` of kind `code` that reads a message (F, B or I): the
+    receive that feeds it, on keys (pipec.p2p_rule.receive_for)."""
+    receive = receive_for(Action(0, KINDS[code], 0))
+    assert receive is not None, f"{KINDS[code]} reads no message"
+    return code_of(receive.kind) - code
 
 
 @dataclass(frozen=True)
@@ -162,6 +179,7 @@ def flatten(
                     misplaced.add(rank)
                 if code >= SEND_F:
                     comm_keys.append(key)
+                    # the channel: pipec.p2p_rule.peer_of, inlined (tests/test_verify_rule.py checks it)
                     if code == SEND_F:
                         if in_range and stage < last:
                             sends[placement[stage + 1]].append((index, key))

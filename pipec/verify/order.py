@@ -9,8 +9,7 @@ Linear in the number of instructions.
 from __future__ import annotations
 
 from pipec.ir import Program
-from pipec.verify.deadlock import channels
-from pipec.verify.flat import RECV_F, SEND_B, SEND_F, Flat, flatten
+from pipec.verify.flat import RECV_B, RECV_F, SEND_B, SEND_F, Flat, counterpart_shift, flatten
 
 _MAX_REPORTED = 6
 
@@ -19,14 +18,14 @@ def check_p2p_order(program: Program, flat: Flat | None = None) -> list[str]:
     if not program.has_comms:
         return []
     flat = flat or flatten(program)
-    step = flat.mbs * 8
-    # the receive each send should meet: SEND_F(s, m) -> RECV_F(s+1, m), SEND_B(s, m) -> RECV_B(s-1, m)
-    expects = {SEND_F: step + 1, SEND_B: -step + 1}
+    # the receive each send should meet (pipec.p2p_rule.counterpart): SEND_F(s, m) -> RECV_F(s+1, m),
+    # SEND_B(s, m) -> RECV_B(s-1, m); and the send each receive should meet
+    expects = {code: counterpart_shift(code, flat.mbs) for code in (SEND_F, SEND_B, RECV_F, RECV_B)}
     problems = []
-    for (src, dst), (sends, recvs) in sorted(channels(program, flat).items()):
+    for (src, dst), (sends, recvs) in sorted(flat.channels.items()):
         for k, ((i, send), (j, recv)) in enumerate(zip(sends, recvs, strict=False)):
             if send + expects[send & 7] != recv:
-                wanted = recv - (step + 1 if recv & 7 == RECV_F else -step + 1)
+                wanted = recv + expects[recv & 7]
                 problems.append(
                     f"p2p order mismatch on channel rank {src} -> rank {dst}: message {k + 1} is sent as "
                     f"rank {src} op {i} {flat.decode(send)} but received as rank {dst} op {j} {flat.decode(recv)}, "

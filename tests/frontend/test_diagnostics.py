@@ -20,7 +20,8 @@ import pipec.verify as verify_package
 from pipec.cli import main
 from pipec.frontend.expand import op_spans
 from pipec.ir import Action, Kind
-from pipec.verify import explain, verify
+from pipec.verify import verify
+from pipec.verify.deadlock import explain
 
 DIAGNOSTICS = TESTS / "diagnostics"
 CORPUS = TESTS / "bad_schedules"

@@ -18,7 +18,7 @@ from pipec.library import bundled_names
 from pipec.passes.p2p import insert_p2p_ops
 from pipec.sim import simulate
 from pipec.verify import run_compute_orders, run_streams, verify
-from pipec.verify.explain import GRID_MAX_RANKS, MAX_CHAIN
+from pipec.verify.deadlock.explain import GRID_MAX_RANKS, MAX_CHAIN
 from pipec.verify.memory import peak_activations
 
 CORPUS = TESTS / "bad_schedules"

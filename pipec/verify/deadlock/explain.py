@@ -9,7 +9,7 @@ the terms of the ops the author wrote. Every instruction is written in its one t
 from __future__ import annotations
 
 from pipec.ir import Program
-from pipec.verify.deadlock import Blocked, ComputeRun, StreamRun, Wait
+from pipec.verify.deadlock.runs import Blocked, ComputeRun, StreamRun, Wait
 from pipec.verify.diagnose import diagnose
 
 GRID_STEPS = 12  # rows of the grid, ending at the stuck point

@@ -179,7 +179,7 @@ def flatten(
                     misplaced.add(rank)
                 if code >= SEND_F:
                     comm_keys.append(key)
-                    # the channel: pipec.p2p_rule.peer_of, inlined (tests/test_verify_rule.py checks it)
+                    # the channel: pipec.p2p_rule.peer_of, inlined (tests/verify/test_verify_rule.py checks it)
                     if code == SEND_F:
                         if in_range and stage < last:
                             sends[placement[stage + 1]].append((index, key))

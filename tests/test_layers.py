@@ -111,6 +111,40 @@ def test_only_the_command_line_knows_argparse(path: Path) -> None:
     assert "argparse" not in imports_of(path), f"{module} imports argparse; parse arguments in pipec/cli/"
 
 
+# Pairs (importer, imported) that the layers allow but the design does not: the front end produces what the passes
+# consume (the driver, pipec.compiler, hands a `choose` section the list scheduler), and the verifier checks
+# programs, not the text they came from (a program carries its provenance: Program.op_spans).
+SEPARATE = (("pipec.frontend", "pipec.passes"), ("pipec.verify", "pipec.frontend"))
+
+
+def imports_between(importer: str, imported: str, sources: dict[str, set[str]]) -> list[str]:
+    """`module -> name` for each import from a module of package `importer` of a module of package `imported`."""
+    def within(name: str, package: str) -> bool:
+        return name == package or name.startswith(package + ".")
+
+    return sorted(
+        f"{module} -> {name}"
+        for module, names in sources.items()
+        if within(module, importer)
+        for name in names
+        if within(name, imported)
+    )
+
+
+@pytest.mark.parametrize(("importer", "imported"), SEPARATE)
+def test_packages_kept_apart(importer: str, imported: str) -> None:
+    found = imports_between(importer, imported, {module_name(path): imports_of(path) for path in SOURCES})
+    assert not found, f"{importer} must not import {imported}: {found}"
+
+
+def test_packages_kept_apart_finds_a_late_import() -> None:
+    source = "def _explain() -> None:\n    from pipec.frontend.expand import prepare\n"
+    sources = {"pipec.verify.diagnose": imports_in(source, "pipec.verify.diagnose")}
+    assert imports_between("pipec.verify", "pipec.frontend", sources) == [
+        "pipec.verify.diagnose -> pipec.frontend.expand"
+    ]
+
+
 def test_the_ir_does_not_reach_up() -> None:
     """The cycle that motivated the rule: pipec/ir.py imports nothing of the verifier, not even in a function."""
     names = imports_of(PACKAGE / "ir.py")

@@ -14,8 +14,8 @@ from lark.indenter import DedentError, Indenter
 
 from pipec.errors import PipecSyntaxError, Span
 from pipec.frontend import ast
-from pipec.frontend.expand import CANDIDATE_NAMES, check_pair_kinds
 from pipec.frontend.limits import MAX_LITERAL_DIGITS, MAX_NESTING
+from pipec.frontend.rules import CANDIDATE_NAMES, check_pair_kinds
 from pipec.gcpause import without_cyclic_gc
 
 # What `expect NAME EXPR` may state; each is checked by pipec.testing against the simulator.

@@ -2,7 +2,7 @@
 
 An event-driven list scheduler over all ranks at once. When a rank is free it runs the best of its candidates that
 is ready and fits in memory; the result is an ordinary compute-only Program, so place_p2p, verify and simulate treat
-it as any other. The rules are Python callables (a `choose` section compiles to them: frontend/expand.py).
+it as any other. The rules are Python callables (a `choose` section compiles to them: frontend/choose.py).
 
 - Candidates of a rank: per chunk c, the next micro-batch of F[c]'s counter, of the backward counter (B or I, one
   kind per schedule) and the oldest pending W of chunk c (the queue I fills), as counters run in programs.

@@ -7,7 +7,7 @@
     lower     orders -> orders with SEND/RECV          passes.p2p.insert_p2p_ops
 Verification and back ends take the resulting Program.
 
-Every phase is bounded on hostile input (pipec.frontend.limits): load caps the bytes read, parse the nesting and
+Every phase is bounded on hostile input (pipec.limits): load caps the bytes read, parse the nesting and
 the integer literals, expand P, M, V, the steps, the ops and the wall time; a stream file's P, M and V are checked
 here once loaded, before verification loops over them.
 """
@@ -22,11 +22,11 @@ from pipec.errors import PipecError, PipecInputError
 from pipec.frontend.ast import Schedule
 from pipec.frontend.choose import ChooseRules, ChooseSpec, ListScheduler, run_choose
 from pipec.frontend.expand import prepare
-from pipec.frontend.limits import check_sizes
 from pipec.frontend.parser import parse
 from pipec.gcpause import without_cyclic_gc
 from pipec.ir import DEFAULT_INPUT_FRACTION, Program
 from pipec.library import resolve
+from pipec.limits import check_sizes
 from pipec.passes.list_schedule import Rules, list_schedule
 from pipec.passes.p2p import insert_p2p_ops
 

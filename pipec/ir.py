@@ -15,7 +15,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from pipec.errors import PipecSyntaxError, Span
-from pipec.frontend.limits import MAX_MICROBATCHES, MAX_STAGES
+from pipec.limits import MAX_MICROBATCHES, MAX_STAGES
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -10,7 +10,7 @@ import pytest
 import pipec
 from pipec.emit import dump_text
 from pipec.errors import PipecSyntaxError, ScheduleProgramError
-from pipec.frontend.limits import MAX_NESTING
+from pipec.limits import MAX_NESTING
 
 ZBV_LIMITED = Path(__file__).parent / "zbv_limited.pipe"
 

@@ -8,9 +8,9 @@ from typing import Any
 
 from pipec.errors import PipecSyntaxError
 from pipec.frontend import ast
-from pipec.frontend.limits import MAX_NESTING
 from pipec.frontend.rules import CANDIDATE_NAMES
 from pipec.frontend.syntax_errors import shorten
+from pipec.limits import MAX_NESTING
 
 
 def refuse_counters(e: ast.Expr) -> None:

@@ -14,10 +14,10 @@ from fractions import Fraction
 
 from pipec.errors import PipecSyntaxError, ScheduleProgramError
 from pipec.frontend import ast
-from pipec.frontend.limits import MAX_VALUE
 from pipec.frontend.rules import KINDS, same_microbatch_pair
 from pipec.frontend.state import RankState, bounded_exact, too_big
 from pipec.ir import Action, Kind, Overlap
+from pipec.limits import MAX_VALUE
 
 ExprFn = Callable[[RankState], int]
 StmtFn = Callable[[RankState], None]

@@ -19,13 +19,13 @@ from pipec.errors import PipecError, PipecInputError
 from pipec.frontend import ast
 from pipec.frontend.choose import ChooseSpec, choose_spec
 from pipec.frontend.header import Header, bind_header
-from pipec.frontend.limits import RANK_STEPS_EXTRA, RANK_STEPS_PER_OP, check_sizes
 from pipec.frontend.literal import literal_placement, literal_streams
 from pipec.frontend.padded import drop_padded, drop_padded_spans
 from pipec.frontend.params import BUILTIN_PARAMS, bind_params
 from pipec.frontend.programs import run_programs
 from pipec.frontend.state import Budget
 from pipec.ir import Instruction, Program, Spans
+from pipec.limits import RANK_STEPS_EXTRA, RANK_STEPS_PER_OP, check_sizes
 
 
 @dataclass(frozen=True, eq=False)

@@ -14,7 +14,6 @@ from pipec.errors import PipecSyntaxError, Span
 from pipec.frontend import ast
 from pipec.frontend.checks import check_calls
 from pipec.frontend.grammar import lark_parser
-from pipec.frontend.limits import MAX_NESTING
 from pipec.frontend.syntax_errors import (
     TOKEN_NAMES,
     dedent_line,
@@ -25,6 +24,7 @@ from pipec.frontend.syntax_errors import (
 )
 from pipec.frontend.to_ast import ToAst
 from pipec.gcpause import without_cyclic_gc
+from pipec.limits import MAX_NESTING
 
 
 @lru_cache(maxsize=64)

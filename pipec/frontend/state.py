@@ -2,7 +2,7 @@
 
 Each rank has its variables, one micro-batch counter per (F, chunk) and one per (B/I, chunk), and a queue of
 deferred weight gradients (every I enqueues its W). Budgets turn a runaway program into an error instead of a hang
-(pipec.frontend.limits): per rank, loop iterations and ops emitted (a `while` that never ends); for the whole
+(pipec.limits): per rank, loop iterations and ops emitted (a `while` that never ends); for the whole
 expansion, steps (loop iterations, ops and program nodes compiled, all ranks together), ops and wall time; and a
 bound on the integers a program computes (a value squared in a loop would otherwise grow without end).
 """
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from pipec.errors import ScheduleProgramError, Span
-from pipec.frontend.limits import MAX_OPS, MAX_SECONDS, MAX_STEPS, MAX_VALUE
 from pipec.ir import Action, Instruction, Kind
+from pipec.limits import MAX_OPS, MAX_SECONDS, MAX_STEPS, MAX_VALUE
 
 
 @dataclass(eq=False)
@@ -31,7 +31,7 @@ _CHECK_EVERY = 1024  # steps between looks at the clock and the expansion-wide b
 
 @dataclass(eq=False)
 class Budget:
-    """What the rest of one expansion may spend, all ranks together (the limits are in pipec.frontend.limits)."""
+    """What the rest of one expansion may spend, all ranks together (the limits are in pipec.limits)."""
 
     rank_steps: int  # per rank: loop iterations + ops emitted before "a loop that never ends?"
     steps_left: int = MAX_STEPS  # loop iterations + ops emitted + program nodes compiled

@@ -10,8 +10,8 @@ from lark import Token, Transformer, Tree, v_args
 from pipec.errors import PipecSyntaxError, Span
 from pipec.frontend import ast
 from pipec.frontend.checks import check_choose_names, check_take_op, refuse_counters
-from pipec.frontend.limits import MAX_LITERAL_DIGITS
 from pipec.frontend.rules import check_pair_kinds
+from pipec.limits import MAX_LITERAL_DIGITS
 
 # What `expect NAME EXPR` may state; each is checked by pipec.testing against the simulator.
 EXPECTATIONS = ("bubble",)

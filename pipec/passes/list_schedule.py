@@ -31,8 +31,8 @@ from fractions import Fraction
 from typing import NamedTuple, Protocol
 
 from pipec.errors import PipecInputError
-from pipec.frontend.limits import MAX_SECONDS, MAX_STEPS, check_sizes
 from pipec.ir import DEFAULT_INPUT_FRACTION, MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas
+from pipec.limits import MAX_SECONDS, MAX_STEPS, check_sizes
 
 NEVER = Fraction(10**18)  # the gap when no waiting input of the rank is known to be on its way
 _DEFAULT = {Kind.F: 1.0, Kind.B: 2.0, Kind.I: 1.0, Kind.W: 1.0}  # pipec.sim's default costs

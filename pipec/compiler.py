@@ -2,12 +2,12 @@
 
     load      SCHEDULE -> (kind, text)                 library.resolve
     parse     .pipe text -> AST                        frontend.parser.parse
-    expand    AST + P, M, V -> per-rank compute orders frontend.expand.expand   (or a stream-file loader; a
-              `choose` section: frontend.expand.run_choose, list-scheduled under the costs given)
+    expand    AST + P, M, V -> per-rank compute orders frontend.expand.prepare  (or a stream-file loader; a
+              `choose` section: frontend.choose.run_choose, list-scheduled under the costs given)
     lower     orders -> orders with SEND/RECV          passes.p2p.insert_p2p_ops
 Verification and back ends take the resulting Program.
 
-Every phase is bounded on hostile input (pipec.frontend.limits): load caps the bytes read, parse the nesting and
+Every phase is bounded on hostile input (pipec.limits): load caps the bytes read, parse the nesting and
 the integer literals, expand P, M, V, the steps, the ops and the wall time; a stream file's P, M and V are checked
 here once loaded, before verification loops over them.
 """
@@ -20,12 +20,14 @@ from typing import TYPE_CHECKING
 from pipec.emit import load_json, load_text, load_torch_csv
 from pipec.errors import PipecInputError
 from pipec.frontend.ast import Schedule
-from pipec.frontend.expand import ChooseSpec, prepare, run_choose
-from pipec.frontend.limits import check_sizes
+from pipec.frontend.choose import ChooseRules, ChooseSpec, ListScheduler, run_choose
+from pipec.frontend.expand import prepare
 from pipec.frontend.parser import parse
 from pipec.gcpause import without_cyclic_gc
 from pipec.ir import DEFAULT_INPUT_FRACTION, Program
 from pipec.library import resolve
+from pipec.limits import check_sizes
+from pipec.passes.list_schedule import Rules, list_schedule
 from pipec.passes.p2p import insert_p2p_ops
 
 if TYPE_CHECKING:  # for the hints only: compiling with the default costs need not load the cost model
@@ -86,7 +88,26 @@ def compute_orders(
 
         costs = share_costs(costs if costs is not None else Costs(), template.ranks, template.chunks)
         sizes = share_stage_sizes(sizes, template.ranks, template.chunks)
-    return run_choose(found, costs, input_fraction, sizes, memory_limit, share=per_rank_share)
+    scheduler = _list_scheduler(found.template, costs, input_fraction, sizes)
+    return run_choose(found, scheduler, memory_limit, share=per_rank_share)
+
+
+def _list_scheduler(
+    template: Program, costs: Costs | None, input_fraction: float, stage_sizes: tuple[float, ...] | None
+) -> ListScheduler:
+    """A choose section's orders by the list scheduler under these costs and memory model (the front end sits below
+    the passes, so the driver hands it the scheduler). Mistakes in the costs or sizes are reported as themselves,
+    here, before the run."""
+    if costs is not None:
+        costs.per_stage(template.num_stages)
+    if stage_sizes is not None and len(stage_sizes) != template.num_stages:
+        raise PipecInputError(f"{len(stage_sizes)} stage sizes given for {template.num_stages} stages")
+
+    def schedule(template: Program, rules: ChooseRules) -> Program:
+        passes_rules = Rules(rules.takes, priority=rules.priority, admit=rules.admit, limit=rules.limit)
+        return list_schedule(template, passes_rules, costs, input_fraction, stage_sizes)
+
+    return schedule
 
 
 def compile_program(

@@ -12,10 +12,10 @@ import re
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from pipec.errors import PipecSyntaxError
-from pipec.frontend.limits import MAX_MICROBATCHES, MAX_STAGES
+from pipec.errors import PipecSyntaxError, Span
+from pipec.limits import MAX_MICROBATCHES, MAX_STAGES
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -147,6 +147,17 @@ def loop_placement(ranks: int, stages: int) -> tuple[int, ...]:
     return tuple(s % ranks for s in range(stages))
 
 
+Spans = tuple[tuple[Span, ...], ...]  # per rank, the span of the text that emitted each instruction of its order
+
+
+class Provenance(Protocol):
+    """Where a program's ops were written. The front end gives each program it expands from a `.pipe` one
+    (pipec.frontend.expand.PipeSource); explanations ask through ``Program.op_spans()``, so that the layers above
+    need not import the front end."""
+
+    def op_spans(self, program: Program) -> Spans | None: ...
+
+
 @dataclass(frozen=True, repr=False)
 class Program:
     """A compiled schedule: per-rank instruction streams and the parameters they were compiled for.
@@ -169,6 +180,8 @@ class Program:
     has_comms: bool = False
     forward_only: bool = False  # inference: every stage runs F only
     expected: dict[str, Fraction] = field(default_factory=dict)  # `expect bubble ...` figures, for pipec.testing
+    # the text it came from, if any; not part of what the program is: equal orders are equal programs
+    provenance: Provenance | None = field(default=None, compare=False)
 
     @property
     def num_stages(self) -> int:
@@ -191,6 +204,12 @@ class Program:
         return tuple(
             tuple(i for i in stream if not (isinstance(i, Action) and i.kind.is_comm)) for stream in self.streams
         )
+
+    def op_spans(self) -> Spans | None:
+        """Where each compute instruction was written: per rank, one span per instruction of its compute order
+        (send/recv left out), or None when the program did not come from a `.pipe` or its orders were changed
+        since."""
+        return None if self.provenance is None else self.provenance.op_spans(self)
 
     def with_streams(self, streams: tuple[tuple[Instruction, ...], ...], has_comms: bool) -> Program:
         return replace(self, streams=streams, has_comms=has_comms)

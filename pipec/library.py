@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pipec.errors import PipecInputError, PipecSyntaxError, Span
-from pipec.frontend.limits import MAX_SOURCE_BYTES, MAX_STREAM_BYTES, MiB
+from pipec.limits import MAX_SOURCE_BYTES, MAX_STREAM_BYTES, MiB
 
 _KINDS = {".pipe": "pipe", ".csv": "csv", ".json": "json", ".txt": "text"}
 

@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "pipec"
 # Lowest first. A module belongs to the longest prefix listed; it may import its own layer and those below. A new
 # module that matches only `pipec` lands in the top layer, so a lower module importing it fails until it is placed.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("pipec.errors", "pipec.frontend.limits", "pipec.gcpause", "pipec.outputs"),  # leaves every layer may use
+    ("pipec.errors", "pipec.limits", "pipec.gcpause", "pipec.outputs"),  # leaves every layer may use
     ("pipec.ir", "pipec.p2p_rule"),  # the IR and the point-to-point rule every engine applies
     ("pipec.frontend", "pipec.passes", "pipec.library"),
     ("pipec.verify", "pipec.emit"),
@@ -109,6 +109,41 @@ def test_only_the_command_line_knows_argparse(path: Path) -> None:
     if module == "pipec.cli" or module.startswith("pipec.cli."):
         return
     assert "argparse" not in imports_of(path), f"{module} imports argparse; parse arguments in pipec/cli/"
+
+
+# Pairs (importer, imported) that the layers allow but the design does not. The front end produces what the passes
+# consume and neither imports the other: the bounds both apply live in the leaf pipec.limits, and the driver,
+# pipec.compiler, hands a `choose` section the list scheduler. The verifier checks programs, not the text they came
+# from: a program carries its provenance (Program.op_spans).
+SEPARATE = (("pipec.frontend", "pipec.passes"), ("pipec.passes", "pipec.frontend"), ("pipec.verify", "pipec.frontend"))
+
+
+def imports_between(importer: str, imported: str, sources: dict[str, set[str]]) -> list[str]:
+    """`module -> name` for each import from a module of package `importer` of a module of package `imported`."""
+    def within(name: str, package: str) -> bool:
+        return name == package or name.startswith(package + ".")
+
+    return sorted(
+        f"{module} -> {name}"
+        for module, names in sources.items()
+        if within(module, importer)
+        for name in names
+        if within(name, imported)
+    )
+
+
+@pytest.mark.parametrize(("importer", "imported"), SEPARATE)
+def test_packages_kept_apart(importer: str, imported: str) -> None:
+    found = imports_between(importer, imported, {module_name(path): imports_of(path) for path in SOURCES})
+    assert not found, f"{importer} must not import {imported}: {found}"
+
+
+def test_packages_kept_apart_finds_a_late_import() -> None:
+    source = "def _explain() -> None:\n    from pipec.frontend.expand import prepare\n"
+    sources = {"pipec.verify.diagnose": imports_in(source, "pipec.verify.diagnose")}
+    assert imports_between("pipec.verify", "pipec.frontend", sources) == [
+        "pipec.verify.diagnose -> pipec.frontend.expand"
+    ]
 
 
 def test_the_ir_does_not_reach_up() -> None:

@@ -1,5 +1,5 @@
 """`pipec test SCHEDULE`: the property suite of pipec.testing on one schedule (pipec.testing.runner), with its
-flags bounded up front (pipec.frontend.limits, TEST_MAX_*): each example compiles and checks a schedule of up to
+flags bounded up front (pipec.limits, TEST_MAX_*): each example compiles and checks a schedule of up to
 max-ranks * max-microbatches * max-chunks stages and micro-batches, and the parameter space is enumerated before
 the first example, so `--max-ranks 100000` would run for hours instead of failing.
 """
@@ -61,7 +61,7 @@ def _fixed_values(args: argparse.Namespace) -> dict[str, int]:
 
 def _checked_maxima(args: argparse.Namespace, fixed: Mapping[str, int]) -> dict[str, int]:
     """The largest P, M, V to draw (a fixed value stands for its maximum), each within pipec test's limits."""
-    from pipec.frontend.limits import (
+    from pipec.limits import (
         TEST_MAX_CHUNKS,
         TEST_MAX_EXAMPLES,
         TEST_MAX_MICROBATCHES,

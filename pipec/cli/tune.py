@@ -100,7 +100,7 @@ def input_files(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from pipec.compiler import parse_schedule
-    from pipec.frontend.limits import check_sizes
+    from pipec.limits import check_sizes
     from pipec.sim.costs import parse_costs, per_rank_share
     from pipec.tune import Setting, library_sources, tune
     from pipec.tune.output import candidates_json, recheck, schedule_text, summary_text, table_text

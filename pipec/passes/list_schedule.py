@@ -2,7 +2,7 @@
 
 An event-driven list scheduler over all ranks at once. When a rank is free it runs the best of its candidates that
 is ready and fits in memory; the result is an ordinary compute-only Program, so place_p2p, verify and simulate treat
-it as any other. The rules are Python callables (a `choose` section compiles to them: frontend/expand.py).
+it as any other. The rules are Python callables (a `choose` section compiles to them: frontend/choose.py).
 
 - Candidates of a rank: per chunk c, the next micro-batch of F[c]'s counter, of the backward counter (B or I, one
   kind per schedule) and the oldest pending W of chunk c (the queue I fills), as counters run in programs.
@@ -31,12 +31,11 @@ from fractions import Fraction
 from typing import NamedTuple
 
 from pipec.errors import PipecInputError
-from pipec.frontend.limits import MAX_SECONDS, MAX_STEPS, check_sizes
 from pipec.ir import DEFAULT_INPUT_FRACTION, MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas
+from pipec.limits import MAX_SECONDS, MAX_STEPS, check_sizes
 from pipec.p2p_rule import DEFAULT_DURATION, CostModel, receiving_ranks
 
 NEVER = Fraction(10**18)  # the gap when no waiting input of the rank is known to be on its way
-Durations = CostModel  # the name frontend/expand.py imports the cost protocol by (pipec.p2p_rule declares it)
 
 
 class Candidate(NamedTuple):

@@ -24,9 +24,9 @@ from functools import lru_cache
 
 from pipec.errors import PipecError, PipecInputError, PipecSyntaxError, Span
 from pipec.frontend import ast
-from pipec.frontend.expand import BUILTIN_PARAMS, evaluate, param_range
-from pipec.frontend.limits import TEST_MAX_SPACE_STEPS
+from pipec.frontend.params import BUILTIN_PARAMS, evaluate, param_range
 from pipec.ir import parse_instruction
+from pipec.limits import TEST_MAX_SPACE_STEPS
 
 DEFAULT_MAX = {"P": 8, "M": 24, "V": 4}
 FLAGS = {"P": "--ranks", "M": "--microbatches", "V": "--chunks"}

@@ -339,9 +339,7 @@ def _role(reader: Action, read: Action) -> str:
 
 
 def _compute_diagnosis(program: Program, orders: Program, run: ComputeRun, placed: bool | None) -> Diagnosis:
-    from pipec.frontend.expand import op_spans  # the front end is needed only here, to name the `.pipe` lines
-
-    spans = op_spans(orders)
+    spans = orders.op_spans()  # the `.pipe` lines that emitted the ops, when the program came from one
     where = _Where(program, spans, placed)
     links = _links(orders, run)
     cycles = _cycles(links)

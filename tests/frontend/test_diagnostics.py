@@ -7,6 +7,7 @@ command-line arguments (`# args: ...`, default `-P 2 -M 4`) and, for a schedule 
 
 from __future__ import annotations
 
+import pickle
 import re
 import shlex
 from pathlib import Path
@@ -18,7 +19,6 @@ from paths import TESTS
 import pipec
 import pipec.verify as verify_package
 from pipec.cli import main
-from pipec.frontend.expand import op_spans
 from pipec.ir import Action, Kind
 from pipec.verify import verify
 from pipec.verify.deadlock import explain
@@ -141,7 +141,7 @@ def test_op_spans_point_at_the_text_that_emitted_each_op(name: str, p: int, m: i
     """Re-expanding with recording on gives one span per instruction of each compute order, under the op (or the
     `drain`, or the pair) that emitted it, in the program as compiled: send/recv and all."""
     program = pipec.compile(name, p, m, v)
-    spans = op_spans(program)
+    spans = program.op_spans()
     assert spans is not None
     for stream, rank_spans in zip(program.compute_streams(), spans, strict=True):
         assert len(rank_spans) == len(stream)
@@ -154,8 +154,19 @@ def test_op_spans_point_at_the_text_that_emitted_each_op(name: str, p: int, m: i
 def test_op_spans_answer_only_for_the_program_expanded() -> None:
     program = pipec.compile("1f1b", 2, 2)
     edited = program.with_streams((program.streams[1], program.streams[0]), True)
-    assert op_spans(edited) is None  # the orders are not what the schedule expands to
-    assert op_spans(pipec.compile(str(CORPUS / "send_queued_behind_recv.csv"))) is None  # not from a .pipe
+    assert edited.op_spans() is None  # the orders are not what the schedule expands to
+    assert pipec.compile(str(CORPUS / "send_queued_behind_recv.csv")).op_spans() is None  # not from a .pipe
+
+
+def test_op_spans_travel_with_the_program() -> None:
+    """No cache of the schedules expanded lately: a program still knows its lines after twenty other schedules were
+    compiled, and so does a pickled copy (what a worker process receives)."""
+    program = pipec.compile("1f1b", 2, 2)
+    spans = program.op_spans()
+    for n in range(20):
+        pipec.compile(f"schedule other_{n}\nper rank r:\n    repeat M: F\n    repeat M: B\n", 2, 2)
+    assert spans is not None and program.op_spans() == spans
+    assert pickle.loads(pickle.dumps(program)).op_spans() == spans
 
 
 def _first_line(program: pipec.Program) -> str:

@@ -27,8 +27,8 @@ import pytest
 from paths import TESTS
 
 from pipec.cli import main
-from pipec.frontend.limits import MAX_MICROBATCHES, MAX_NESTING, MAX_RANKS, MAX_SOURCE_BYTES, TEST_MAX_RANKS
 from pipec.library import bundled_names, bundled_source
+from pipec.limits import MAX_MICROBATCHES, MAX_NESTING, MAX_RANKS, MAX_SOURCE_BYTES, TEST_MAX_RANKS
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGALRM") or not hasattr(os, "mkfifo"), reason="POSIX only")
 

@@ -9,7 +9,7 @@ from paths import TESTS
 import pipec
 from pipec.emit import dump_text
 from pipec.errors import PipecSyntaxError, ScheduleProgramError
-from pipec.frontend.limits import MAX_NESTING
+from pipec.limits import MAX_NESTING
 
 ZBV_LIMITED = TESTS / "zbv_limited.pipe"
 

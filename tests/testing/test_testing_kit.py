@@ -252,7 +252,7 @@ def test_the_test_kit_uses_only_public_names_of_other_modules() -> None:
     import ast
 
     from pipec.errors import ScheduleProgramError
-    from pipec.frontend.expand import evaluate
+    from pipec.frontend.params import evaluate
 
     for path in (ROOT / "pipec" / "testing").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):

@@ -18,7 +18,7 @@ MiB = 1 << 20
 MAX_SOURCE_BYTES = 1 * MiB  # a .pipe file or source text; Lark needs ~250 bytes of memory per byte of source
 MAX_STREAM_BYTES = 64 * MiB  # a torch CSV, text or JSON stream file (~10M actions)
 
-# ---- .pipe text (pipec.frontend.parser) ----
+# ---- .pipe text (pipec.frontend.parser, to_ast, checks) ----
 MAX_LITERAL_DIGITS = 18  # an integer literal, and each number in an action such as 0F1: below 10**18
 MAX_NESTING = 100  # blocks and expression operators nested in one another (recursion in the compiler)
 
@@ -29,7 +29,7 @@ MAX_CHUNKS = 1_024  # V
 MAX_STAGES = 1_048_576  # P * V
 MAX_OPS = 10_000_000  # compute ops: 3 * P * M * V (F, I and W of every stage and micro-batch), and as emitted
 
-# ---- running per-rank programs (pipec.frontend.expand) ----
+# ---- running per-rank programs (pipec.frontend.expand, state) ----
 MAX_VALUE = 10**18  # the magnitude of a value a program computes (products, assignments, fractions' terms)
 MAX_STEPS = 50_000_000  # loop iterations + ops emitted + program nodes compiled, all ranks together
 MAX_SECONDS = 60.0  # wall time of one expansion

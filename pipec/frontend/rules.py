@@ -16,8 +16,8 @@ from pipec.ir import Action, Kind
 KINDS = {"F": Kind.F, "B": Kind.B, "I": Kind.I, "W": Kind.W}
 # The names a choose section's expressions see for each candidate: the fields of the list scheduler's Candidate
 # (pipec.passes.list_schedule), in its order, except the rank, which is the section's own variable, and the kind,
-# which the take line already fixes. Written out because the front end sits below the passes; tests/frontend/test_choose.py
-# fails when a field is added there and not here.
+# which the take line already fixes. Written out because the front end sits below the passes;
+# tests/frontend/test_choose.py fails when a field is added there and not here.
 CANDIDATE_NAMES = (
     "chunk", "stage", "mb", "now", "ready", "dur", "live", "after", "idle", "blocked",
     "gap", "inflight", "wpending", "work", "owed", "bound",

@@ -5,6 +5,7 @@
     workload.py     --model MODULE:FACTORY -> layers, loss, batches, optimizer
     stages.py       partition the layers into the S stages (balanced by parameters, by profile, explicit)
     interpreter.py  one rank's stream: a context, a dispatch table keyed by Kind, a short loop
+    buffers.py      the interpreter's receive buffers, reused once nothing else holds them
     worker.py       one rank's run: set-up, the steps and their all-reduced time and loss, then the report
     runner.py       a rank set up for a program (context, plan, optimizer) and one step of it
     agreement.py    set-up's collectives: one schedule and partition on every rank, the activation shapes

@@ -97,7 +97,7 @@ class PipecRun:
         import torch
 
         import pipec
-        from pipec.runtime.worker import Runner
+        from pipec.runtime.runner import Runner
         from pipec.runtime.workload import Workload
 
         program = pipec.compile(schedule, ranks, microbatches, chunks)

@@ -9,7 +9,7 @@ schedule has been compiled and verified.
 Everything that can be checked without a process group is checked before any worker starts, in both cases, and
 ends in exit 2 with a message: the numbers (--seed, --timeout, --steps, --dp, --checkpoint-every), the world
 size under torchrun (P x D), the outputs (--save, --report, --trace: not an input, not each other, in a
-writable directory), the workload and the checkpoints to resume from (see `worker.validate`).
+writable directory), the workload and the checkpoints to resume from (see `preflight.validate`).
 Exit codes: 0 ok, 1 invalid schedule, 2 bad input, 3 the run failed after its workers started (a rank failed,
 a NaN or inf, an output that could not be written), 130/143 interrupted by SIGINT/SIGTERM.
 """
@@ -134,8 +134,8 @@ def _run(args: argparse.Namespace) -> int:
         print(report.render(), file=sys.stderr)
         return EXIT_INVALID
 
+    from pipec.runtime.options import Options
     from pipec.runtime.start import start
-    from pipec.runtime.worker import Options
 
     options = Options(
         model=args.model,

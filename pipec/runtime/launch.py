@@ -38,6 +38,7 @@ from datetime import timedelta
 from typing import Any
 
 from pipec.errors import PipecError, PipecInputError
+from pipec.runtime.status import RankStatus, describe_failure, rank_or_unknown
 
 DEFAULT_TIMEOUT_S = 30.0
 SETUP_TIMEOUT_S = 120.0  # gloo: rendezvous, set-up and per-step collectives; p2p waits use the short timeout
@@ -163,8 +164,11 @@ def spawn(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     backend: str = "gloo",
     on_start: Callable[[list], None] | None = None,
+    pass_status: bool = False,
 ) -> list[Any]:
-    """Run `fn(*args)` on `world` fresh processes inside one process group; the results in rank order.
+    """Run `fn(*args)` on `world` fresh processes inside one process group; the results in rank order. With
+    `pass_status`, `fn(*args, status=...)`: the worker's status.RankStatus, which its guard thread reads (where
+    the rank is, for the messages and the no-progress check) and `fn` keeps up to date.
 
     `fn` must be importable by name (spawned processes re-import it). Raises RunError when any rank fails and
     RunInterruptedError (after stopping every worker) on SIGINT or SIGTERM (KeyboardInterrupt outside `interruptible`).
@@ -186,7 +190,7 @@ def spawn(
                     reader, writer = mp.Pipe(duplex=False)
                     proc = mp.Process(
                         target=_worker_entry,
-                        args=(rank, world, store.port, backend, timeout_s, fn, args, writer, os.getpid()),
+                        args=(rank, world, store.port, backend, timeout_s, fn, args, writer, os.getpid(), pass_status),
                         name=f"pipec-rank-{rank}",
                     )
                     proc.start()
@@ -328,7 +332,7 @@ def _exit_text(code: int | None) -> str:
 # --- a worker ----------------------------------------------------------------------------------------------
 
 
-def _worker_entry(rank, world, port, backend, timeout_s, fn, args, writer, parent_pid) -> None:
+def _worker_entry(rank, world, port, backend, timeout_s, fn, args, writer, parent_pid, pass_status) -> None:
     _die_with_parent(parent_pid)
     lock = threading.Lock()
 
@@ -349,7 +353,8 @@ def _worker_entry(rank, world, port, backend, timeout_s, fn, args, writer, paren
             sys.stderr.flush()
         os._exit(code)
 
-    guard(rank, parent_pid, timeout_s, finish)
+    status = RankStatus(parent_pid)
+    guard(rank, timeout_s, finish, status)
     import torch
     import torch.distributed as dist
 
@@ -360,11 +365,9 @@ def _worker_entry(rank, world, port, backend, timeout_s, fn, args, writer, paren
         limit = group_timeout(backend, timeout_s)
         store = dist.TCPStore(LOCALHOST, port, None, is_master=False, timeout=limit)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=limit)
-        result = fn(*args)
+        result = fn(*args, status=status) if pass_status else fn(*args)
     except BaseException as error:  # every failure becomes a message naming the rank
-        from pipec.runtime.worker import describe_failure
-
-        finish("error", describe_failure(error, rank), 1)
+        finish("error", describe_failure(error, rank, status), 1)
         return
     send("ok", pickle.dumps(result))
     writer.close()
@@ -392,35 +395,14 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-_parent: list[int] = []  # the pid of the process that started this worker (set by `guard`)
-
-
-def parent_gone() -> bool:
-    """Whether the process that started this worker has died or is dying. Its children are re-parented once it
-    is gone; but its death signal (PR_SET_PDEATHSIG) comes when its main thread exits, and the children belong to
-    its other threads, under the same pid, until they too have exited: /proc shows that main thread a zombie."""
-    if not _parent:
-        return False
-    if os.getppid() != _parent[0]:
-        return True
-    try:
-        with open(f"/proc/{_parent[0]}/status") as status:
-            state = next((line for line in status if line.startswith("State:")), "")
-    except OSError:
-        return False  # no /proc: getppid() alone decides
-    return "Z" in state or "X" in state
-
-
-def guard(rank: int | None, parent_pid: int, timeout_s: float, finish: Callable[[str, str, int], None]) -> None:
+def guard(rank: int | None, timeout_s: float, finish: Callable[[str, str, int], None], status: RankStatus) -> None:
     """Install this worker's signal handling and start its guard thread (call from the main thread).
 
     The guard ends the process through `finish(kind, message, exit code)`: "stopped" with where the rank was
     on SIGINT/SIGTERM, "error" when the stream made no progress for timeout + 5 s. When the parent has gone it
-    exits at once, writing nothing (the run's outputs are the parent's to report).
+    exits at once, writing nothing (the run's outputs are the parent's to report). `status` says where the rank
+    is (the worker keeps it up to date) and which process started it.
     """
-    from pipec.runtime import worker
-
-    _parent[:] = [parent_pid]
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     for signum in STOP_SIGNALS:
@@ -429,27 +411,27 @@ def guard(rank: int | None, parent_pid: int, timeout_s: float, finish: Callable[
     limit = timeout_s + 5.0
 
     def who() -> str:
-        return str(rank) if rank is not None else worker.rank_or_unknown()
+        return str(rank) if rank is not None else rank_or_unknown()
 
     def watch() -> None:
         last, since = None, time.monotonic()
         while True:
             ready, _, _ = select.select([wake_read], [], [], 0.5)
-            if parent_gone():
-                worker.abandon_outputs()
+            if status.parent_gone():
+                status.abandon_outputs()
                 _say(f"rank {who()}: the launching process is gone; stopping, no outputs written")
                 os._exit(1)
             if ready:
                 data = os.read(wake_read, 64)
                 signum = data[-1] if data else int(signal.SIGTERM)
-                worker.abandon_outputs()
-                finish("stopped", f"rank {who()}: stopped {worker.where_stopped()}", 128 + signum)
+                status.abandon_outputs()
+                finish("stopped", f"rank {who()}: stopped {status.where_stopped()}", 128 + signum)
                 return
-            now_at = worker.progress()
+            now_at = status.progress()
             if now_at is None or now_at != last:
                 last, since = now_at, time.monotonic()
             elif time.monotonic() - since > limit:
-                finish("error", f"rank {who()}: no progress for {limit:.0f} s at {worker.where()}", 4)
+                finish("error", f"rank {who()}: no progress for {limit:.0f} s at {status.where()}", 4)
                 return
 
     threading.Thread(target=watch, name="pipec-guard", daemon=True).start()
@@ -468,10 +450,15 @@ def _note_signal(signum: int, frame: object) -> None:
 
 
 def join_torchrun(
-    fn: Callable[..., Any], args: tuple = (), timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None
+    fn: Callable[..., Any],
+    args: tuple = (),
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    backend: str | None = None,
+    pass_status: bool = False,
 ) -> Any:
     """Run as one worker of a torchrun launch (RANK, WORLD_SIZE, MASTER_ADDR, ... set by torchrun). `backend`
-    as `--backend` asked (None: chosen from this node's GPUs and processes, `choose_backend`)."""
+    as `--backend` asked (None: chosen from this node's GPUs and processes, `choose_backend`); `pass_status`
+    as in `spawn`."""
     import torch
     import torch.distributed as dist
 
@@ -488,7 +475,8 @@ def join_torchrun(
         _say(f"error: {message}")
         os._exit(code)
 
-    guard(int(os.environ["RANK"]), os.getppid(), timeout_s, finish)
+    status = RankStatus(os.getppid())
+    guard(int(os.environ["RANK"]), timeout_s, finish, status)
     limit = group_timeout(backend, timeout_s)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's agent serves the store at MASTER_ADDR:MASTER_PORT and keeps it across restarts (torch 2.5+,
@@ -507,11 +495,9 @@ def join_torchrun(
     else:
         dist.init_process_group(backend, init_method="env://", timeout=limit)
     try:
-        return fn(*args)
+        return fn(*args, status=status) if pass_status else fn(*args)
     except Exception as error:
-        from pipec.runtime.worker import describe_failure
-
-        raise RunError(describe_failure(error, dist.get_rank())) from None
+        raise RunError(describe_failure(error, dist.get_rank(), status)) from None
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()

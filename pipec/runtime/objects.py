@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 
-def _device(group=None) -> torch.device:
+def group_device(group=None) -> torch.device:
+    """Where a process group's tensors live: this process's GPU under NCCL (CUDA tensors only), else the CPU."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -32,7 +33,7 @@ def _decode(tensor: torch.Tensor, size: int) -> Any:
 
 def all_gather_objects(obj: Any) -> list[Any]:
     """Every rank's `obj`, in rank order, on every rank."""
-    device, world = _device(), dist.get_world_size()
+    device, world = group_device(), dist.get_world_size()
     payload = _encode(obj, device)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(size) for _ in range(world)]
@@ -48,7 +49,7 @@ def all_gather_objects(obj: Any) -> list[Any]:
 def gather_objects(obj: Any, dst: int = 0) -> list[Any] | None:
     """Every rank's `obj`, in rank order, on rank `dst` only (None elsewhere): a checkpoint's parts go to the
     rank that writes them, without every rank receiving every part as `all_gather_objects` would."""
-    device, world, rank = _device(), dist.get_world_size(), dist.get_rank()
+    device, world, rank = group_device(), dist.get_world_size(), dist.get_rank()
     payload = _encode(obj, device)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(size) for _ in range(world)]
@@ -66,7 +67,7 @@ def gather_objects(obj: Any, dst: int = 0) -> list[Any] | None:
 def broadcast_object(obj: Any, src: int, group=None) -> Any:
     """`obj` from rank `src` (a global rank), on every rank of `group` (default: all); other ranks' `obj` is
     ignored."""
-    device = _device(group)
+    device = group_device(group)
     payload = _encode(obj, device) if dist.get_rank() == src else torch.zeros(0, dtype=torch.uint8, device=device)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     dist.broadcast(size, src=src, group=group)

@@ -1,6 +1,6 @@
 """Starting a verified program's training: P x D local worker processes (`launch.spawn`), or, under torchrun, this
 process as one of them (`launch.join_torchrun`). Everything that can be checked without a process group is
-checked first (`worker.validate`), so that bad input ends in exit 2 before any worker starts."""
+checked first (`preflight.validate`), so that bad input ends in exit 2 before any worker starts."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import sys
 from pipec.errors import PipecInputError
 from pipec.ir import Program
 from pipec.runtime import launch
-from pipec.runtime.worker import Options, run_worker, validate
+from pipec.runtime.options import Options
+from pipec.runtime.preflight import validate
+from pipec.runtime.worker import run_worker
 
 
 def start(program: Program, options: Options, backend: str | None = None) -> None:
@@ -26,7 +28,9 @@ def start(program: Program, options: Options, backend: str | None = None) -> Non
     # before this worker joins the process group: every worker checks the same thing and stops the same way)
     options = validate(program, options)
     if torchrun:
-        launch.join_torchrun(run_worker, (program, options), timeout_s=options.timeout_s, backend=backend)
+        launch.join_torchrun(
+            run_worker, (program, options), timeout_s=options.timeout_s, backend=backend, pass_status=True
+        )
         return
     import torch
 
@@ -35,4 +39,4 @@ def start(program: Program, options: Options, backend: str | None = None) -> Non
     if note is not None:
         print(f"note: {note}")
     sys.stdout.flush()
-    launch.spawn(run_worker, world, (program, options), timeout_s=options.timeout_s, backend=backend)
+    launch.spawn(run_worker, world, (program, options), timeout_s=options.timeout_s, backend=backend, pass_status=True)

@@ -101,7 +101,7 @@ def test_stages_merge_into_segments_and_b_splits_in_halves() -> None:
     """The cost file describes P segments: at V=2, segment k sums stages 2k and 2k+1 (along the model, whatever
     ranks run them); a B-only schedule gives I = W = B / 2; replicas' medians are pooled."""
     import pipec
-    from pipec.runtime.worker import measured_costs
+    from pipec.runtime.costs import measured_costs
 
     zbv = pipec.compile("zbv", 2, 4, 2)  # stages 0 and 3 on rank 0, 1 and 2 on rank 1
     rows = [
@@ -122,7 +122,7 @@ def test_stages_merge_into_segments_and_b_splits_in_halves() -> None:
 
 def test_a_step_is_summed_per_stage_and_kind() -> None:
     from pipec.ir import Action, Kind
-    from pipec.runtime.worker import _per_op
+    from pipec.runtime.costs import per_op
 
     timed = [(Action(0, Kind.F, 0), 0.0, 1.0), (Action(0, Kind.F, 1), 2.0, 3.0), (Action(1, Kind.W, 0), 5.0, 0.5)]
-    assert _per_op(timed) == (4.5, {(0, "F"): 2.0, (1, "W"): 0.5})
+    assert per_op(timed) == (4.5, {(0, "F"): 2.0, (1, "W"): 0.5})

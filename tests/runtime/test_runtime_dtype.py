@@ -87,7 +87,8 @@ def test_bf16_with_one_tensor_between_stages() -> None:
 def test_an_op_the_compute_dtype_cannot_run_is_refused_before_any_worker_starts(tmp_path: Path, monkeypatch) -> None:
     """The dry run before the workers start runs under the --dtype's autocast: a layer that fails there (as an
     op without a kernel for the dtype does) is bad input, exit 2, with the layer and the dtype named."""
-    from pipec.runtime.worker import Options, validate
+    from pipec.runtime.options import Options
+    from pipec.runtime.preflight import validate
 
     (tmp_path / "halfless.py").write_text(
         "import torch\n"

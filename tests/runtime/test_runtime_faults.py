@@ -150,7 +150,8 @@ def test_out_of_range_numbers_are_refused_up_front(flag: str, value: str, messag
 
 def test_the_largest_seed_is_accepted(capsys) -> None:
     import pipec
-    from pipec.runtime.worker import Options, validate
+    from pipec.runtime.options import Options
+    from pipec.runtime.preflight import validate
 
     program = pipec.compile("1f1b", 2, 4)
     validate(program, Options(model="faulty_workloads:good", seed=2**64 - 1))  # torch.manual_seed takes it

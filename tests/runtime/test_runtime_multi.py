@@ -145,7 +145,8 @@ def train_configs(todo: list[tuple]) -> dict:
     """In every worker of one spawn: train each config in turn; per key, this rank's weights, the report and
     what each message this rank sent held: ("SEND_F" or "SEND_B", ((dtype, bytes) of each tensor, ...))."""
     from pipec.runtime import interpreter
-    from pipec.runtime.worker import Options, train
+    from pipec.runtime.options import Options
+    from pipec.runtime.worker import train
 
     out = {}
     originals = {kind: interpreter.DISPATCH[kind] for kind in (Kind.SEND_F, Kind.SEND_B)}
@@ -294,7 +295,8 @@ def test_dependent_outputs_and_tied_weights_train_like_one_process(ranks: int, k
 
 def test_a_weight_tied_across_ranks_is_refused_before_any_worker_starts() -> None:
     """Each rank would train its own copy of it: bad input, naming the layers, the ranks and the way out."""
-    from pipec.runtime.worker import Options, validate
+    from pipec.runtime.options import Options
+    from pipec.runtime.preflight import validate
 
     with pytest.raises(PipecInputError) as caught:
         validate(pipec.compile("1f1b", 2, 4), Options(model="test_runtime_multi:tied_ends"))
@@ -337,7 +339,8 @@ def test_the_example_attention_is_causal() -> None:
 def test_what_crosses_a_boundary_is_checked_before_any_worker_starts(tmp_path: Path, monkeypatch) -> None:
     """A boundary of only integer tensors cannot carry a gradient, and a list is not a tensor tuple: exit 2 with a
     message naming the stage, before any process starts."""
-    from pipec.runtime.worker import Options, validate
+    from pipec.runtime.options import Options
+    from pipec.runtime.preflight import validate
 
     (tmp_path / "cuts.py").write_text(
         "import torch\n"
@@ -422,7 +425,8 @@ def test_inference_runs_tied_weights_across_ranks_and_saving_into_the_checkpoint
 ) -> None:
     """forward_only steps nothing, so copies of a tied weight on two ranks stay equal: no refusal there. And
     `--save` naming the `--checkpoint` directory (made only after the CLI's output checks) is bad input up front."""
-    from pipec.runtime.worker import Options, validate
+    from pipec.runtime.options import Options
+    from pipec.runtime.preflight import validate
 
     validate(pipec.compile("forward_only", 2, 4), Options(model="test_runtime_multi:tied_ends"))
     where = str(tmp_path / "ck")

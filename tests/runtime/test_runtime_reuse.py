@@ -1,6 +1,6 @@
 """The interpreter's host-cost savings change nothing a run computes.
 
-Receive buffers are reused only when nothing else holds them (pipec/runtime/interpreter.py, `_recycle`).
+Receive buffers are reused only when nothing else holds them (pipec/runtime/buffers.py, `_recycle`).
 
 The model passes one of its two boundary tensors through two stages unchanged, so the buffer stage 1 (and 2)
 receives it into is the very tensor it sends on: reusing it for the next micro-batch while the send is in
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import pipec
-from pipec.runtime import interpreter, launch
+from pipec.runtime import buffers, interpreter, launch
 from pipec.runtime.stages import Stage, draws_nothing, microbatch_seed
 from pipec.runtime.workload import Workload
 
@@ -72,7 +72,8 @@ def passthrough() -> Workload:
 def train_all() -> dict:
     """In each worker: every run of RUNS; per run, this rank's weights, losses and pool hits per
     (kind, stage, tensor index) ("F": activations, "B": gradients)."""
-    from pipec.runtime.worker import Options, train
+    from pipec.runtime.options import Options
+    from pipec.runtime.worker import train
 
     out = {}
     original = interpreter._buffers
@@ -129,25 +130,25 @@ def reference(training: bool) -> tuple[dict, list[float]]:
 def test_recycle_keeps_only_what_nothing_else_holds() -> None:
     pool = ((None, None, []),)
     fresh = (torch.empty(3),)
-    interpreter._recycle(pool, fresh)
+    buffers._recycle(pool, fresh)
     assert pool[0][2] == [fresh[0]]
     for hold in (lambda t: t, lambda t: t.detach(), lambda t: t[1:]):  # a reference, an alias, a view
         pool[0][2].clear()
         parts = (torch.empty(3),)
         held = hold(parts[0])
-        interpreter._recycle(pool, parts)
+        buffers._recycle(pool, parts)
         assert pool[0][2] == []
         del held
-        interpreter._recycle(pool, parts)
+        buffers._recycle(pool, parts)
         assert len(pool[0][2]) == 1
     pool[0][2].clear()
     parts = (torch.empty(3).requires_grad_(),)
     loss = (parts[0] * torch.ones(3, requires_grad=True)).sum()  # the graph saves the buffer
-    interpreter._recycle(pool, parts)
+    buffers._recycle(pool, parts)
     assert pool[0][2] == []
     loss.backward()
     del loss
-    interpreter._recycle(pool, parts)
+    buffers._recycle(pool, parts)
     assert len(pool[0][2]) == 1
 
 

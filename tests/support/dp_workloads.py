@@ -88,7 +88,8 @@ def train_configs(configs: list[tuple]) -> dict:
     processes' start-up. Returns, per key, this rank's weights and the run's report, or the error text."""
     import pipec
     from pipec.errors import PipecError
-    from pipec.runtime.worker import Options, train
+    from pipec.runtime.options import Options
+    from pipec.runtime.worker import train
 
     out = {}
     for key, schedule, ranks, microbatches, fields in configs:

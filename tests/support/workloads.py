@@ -124,7 +124,8 @@ def train_many(configs: list[tuple]) -> dict:
 
     import pipec
     from pipec.errors import PipecError
-    from pipec.runtime.worker import Options, train
+    from pipec.runtime.options import Options
+    from pipec.runtime.worker import train
 
     out = {}
     for key, schedule, ranks, microbatches, model, steps, *partition in configs:

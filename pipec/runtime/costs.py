@@ -1,0 +1,66 @@
+"""The measured costs: each step's compute seconds per (stage, kind) (`per_op`), a rank's per-stage medians over the
+steps (`stage_times`), and the run's costs in the cost-file format (`measured_costs`, pipec.sim.costs)."""
+
+from __future__ import annotations
+
+import statistics
+
+from pipec.ir import Program
+
+
+def per_op(timed: list) -> tuple[float, dict]:
+    """A step's compute seconds and, per (stage, kind), the mean seconds of one action (the measured costs)."""
+    sums: dict = {}
+    total = 0.0
+    for (stage, kind, _), _, seconds in timed:
+        total += seconds
+        row = sums.get((stage, kind.value))
+        if row is None:
+            sums[stage, kind.value] = [seconds, 1]
+        else:
+            row[0] += seconds
+            row[1] += 1
+    return total, {key: seconds / count for key, (seconds, count) in sums.items()}
+
+
+def stage_times(steps: list[dict]) -> dict[str, dict[str, float]]:
+    """Per stage this rank runs and kind: the median over steps of the step's mean action time, in ms, leaving
+    out the first step when there are more (warm-up: allocator, caches, lazy initialisation)."""
+    kept = steps[1:] if len(steps) > 1 else steps
+    values: dict = {}
+    for op_s in kept:
+        for (stage, kind), seconds in op_s.items():
+            values.setdefault(str(stage), {}).setdefault(kind, []).append(seconds)
+    return {
+        stage: {kind: 1e3 * statistics.median(times) for kind, times in kinds.items()}
+        for stage, kinds in sorted(values.items(), key=lambda item: int(item[0]))
+    }
+
+
+def measured_costs(program: Program, ranks: list[dict]) -> dict | None:
+    """The run's measured compute costs in the cost-file format (pipec.sim.costs), in milliseconds, describing
+    the model as P consecutive segments (its stages at V=1): segment k sums stages kV .. kV+V-1, the units of
+    `--per-rank-share` and of `pipec tune`; at V=1 a segment is a stage. With replicas, the median over them.
+    Schedules with a split backward give F, I, W; those with B give F, and I = W = B / 2 (the split is not
+    measured; B = I + W is kept). Forward-only runs give F only. None without a step to measure."""
+    per_stage: dict[int, dict[str, list[float]]] = {}
+    for row in ranks:
+        for stage, kinds in row.get("stage_ms", {}).items():
+            for kind, ms in kinds.items():
+                per_stage.setdefault(int(stage), {}).setdefault(kind, []).append(ms)
+    if len(per_stage) != program.num_stages:
+        return None
+    med = {s: {k: statistics.median(v) for k, v in kinds.items()} for s, kinds in per_stage.items()}
+    if program.forward_only:
+        names = ("F",)
+    else:
+        for kinds in med.values():  # a stage run with B (or partly): its I and W halves of B
+            if "I" not in kinds or "W" not in kinds:
+                kinds["I"] = kinds["W"] = kinds.get("B", 0.0) / 2
+        names = ("F", "I", "W")
+    chunks = program.chunks
+    out = {}
+    for name in names:
+        row = [sum(med[k * chunks + c].get(name, 0.0) for c in range(chunks)) for k in range(program.ranks)]
+        out[name] = [round(v, 6) for v in row]  # ms to the nanosecond: the cost file's precision is plenty
+    return out

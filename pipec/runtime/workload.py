@@ -207,11 +207,9 @@ def _batches(spec: str, raw: Any) -> list:
                     f"--model {spec}: the {name} of batches[{k}] is a scalar; dim 0 is the batch, split into "
                     "micro-batches"
                 )
-        inputs, targets = batch
-        if inputs.shape[0] != targets.shape[0]:
-            raise PipecInputError(
-                f"--model {spec}: batches[{k}] has {inputs.shape[0]} inputs but {targets.shape[0]} targets (dim 0)"
-            )
+        # Inputs and targets are each cut along dim 0 (`split`), as torch.distributed.pipelining cuts them: targets
+        # may have another dim 0 (flattened tokens, say), as long as each divides into the micro-batches.
+        inputs, _ = batch
         if first is None:
             first = (tuple(inputs.shape), inputs.dtype)
         elif (tuple(inputs.shape), inputs.dtype) != first:
@@ -233,22 +231,42 @@ def make_optimizer(workload: Workload, params: list):
 
 
 def split(batch, microbatches: int, replica: int = 0, replicas: int = 1) -> tuple[list, list]:
-    """Replica `replica`'s M micro-batches of a full (input, target) batch: the batch is cut along dim 0 into
-    D x M equal micro-batches and replica r takes the r-th run of M (global micro-batch r * M + m)."""
+    """Replica `replica`'s M micro-batches of a full (input, target) batch: the inputs and the targets are each cut
+    along dim 0 into D x M equal micro-batches and replica r takes the r-th run of M (global micro-batch r * M + m).
+    Their dim 0 may differ (targets of flattened tokens: B x T rows for B sequences)."""
     inputs, targets = batch
-    size = inputs.shape[0]
-    parts = microbatches * replicas
+    mine = slice(replica * microbatches, (replica + 1) * microbatches)
+    return (
+        _cut(inputs, "the batch size {}", microbatches, replicas)[mine],
+        _cut(targets, "the targets' dim 0 ({})", microbatches, replicas)[mine],
+    )
+
+
+def _cut(tensor, named: str, microbatches: int, replicas: int) -> list:
+    """`tensor` cut along dim 0 into D x M equal pieces; `named` formats its dim 0 for messages."""
+    size, parts = tensor.shape[0], microbatches * replicas
+    what = named.format(size)
     if size % parts:
         if replicas == 1:
-            raise PipecInputError(f"the batch size {size} is not divisible by the {microbatches} micro-batches")
+            raise PipecInputError(f"{what} is not divisible by the {microbatches} micro-batches")
         raise PipecInputError(
-            f"the batch size {size} is not divisible by --dp {replicas} x {microbatches} micro-batches = {parts} "
+            f"{what} is not divisible by --dp {replicas} x {microbatches} micro-batches = {parts} "
             "(each replica takes an equal share of every batch, cut into equal micro-batches)"
         )
     if size < parts:  # chunk() would return fewer, empty-free pieces
-        raise PipecInputError(f"the batch size {size} is smaller than {parts} micro-batches")
-    mine = slice(replica * microbatches, (replica + 1) * microbatches)
-    return list(inputs.chunk(parts))[mine], list(targets.chunk(parts))[mine]
+        raise PipecInputError(f"{what} is smaller than {parts} micro-batches")
+    return list(tensor.chunk(parts))
+
+
+def received(value: object) -> str:
+    """What a layer received, for messages: `(2, 16, 64) torch.float32`, or a tuple's tensors in brackets."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {value.dtype}"
+    if type(value) is tuple and all(isinstance(t, torch.Tensor) for t in value):
+        return "a tuple (" + ", ".join(received(t) for t in value) + ")"
+    return describe(value)
 
 
 def module_file(spec: str) -> str | None:

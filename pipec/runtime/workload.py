@@ -32,11 +32,16 @@ class Workload:
 
 
 def resolve(spec: str) -> Callable[[], Any]:
-    """The FACTORY function named by MODULE:FACTORY or path/to/file.py:FACTORY. MODULE is imported as `python -m`
-    would: from the current directory first, then the installed packages."""
+    """The FACTORY function named by MODULE:FACTORY or path/to/file.py:FACTORY, with the keyword arguments of an
+    optional `?NAME=VALUE,NAME=VALUE` (`pipec.hf:gpt2?n_layer=4,n_embd=64`; values are ints, floats, true/false/
+    none or else strings). MODULE is imported as `python -m` would: from the current directory first, then the
+    installed packages."""
+    import functools
     import sys
 
-    module_name, sep, attr = spec.rpartition(":")
+    target, _, query = spec.partition("?")
+    arguments = _arguments(spec, query)
+    module_name, sep, attr = target.rpartition(":")
     if not sep or not module_name or not attr:
         raise PipecInputError(
             f"--model {spec!r}: expected MODULE:FACTORY or FILE.py:FACTORY, e.g. examples.workload:mlp "
@@ -58,8 +63,34 @@ def resolve(spec: str) -> Callable[[], Any]:
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise PipecInputError(f"--model {spec}: {module_name} has no function {attr}")
-    _check_no_arguments(spec, factory)
-    return factory
+    _check_no_arguments(spec, factory, arguments)
+    return functools.partial(factory, **arguments) if arguments else factory
+
+
+def _arguments(spec: str, query: str) -> dict[str, Any]:
+    """The keyword arguments of `?a=1,b=x`: each value an int, a float, True/False/None, or else the string."""
+    out: dict[str, Any] = {}
+    for item in query.split(",") if query else ():
+        name, sep, text = item.partition("=")
+        name = name.strip()
+        if not sep or not name.isidentifier():
+            raise PipecInputError(f"--model {spec}: {item!r} is not NAME=VALUE (after ?, separated by commas)")
+        if name in out:
+            raise PipecInputError(f"--model {spec}: {name} is given twice")
+        out[name] = _value(text.strip())
+    return out
+
+
+def _value(text: str) -> Any:
+    words = {"true": True, "false": False, "none": None}
+    if text.lower() in words:
+        return words[text.lower()]
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _is_file(name: str) -> bool:
@@ -90,16 +121,26 @@ def _load_file(path: str) -> Any:
     return module
 
 
-def _check_no_arguments(spec: str, factory: Callable) -> None:
-    """pipec calls FACTORY() with no arguments: say so before calling it, rather than report a TypeError."""
+def _check_no_arguments(spec: str, factory: Callable, given: dict[str, Any]) -> None:
+    """pipec calls FACTORY() with no arguments but those of `?...`: say so before calling it, rather than report a
+    TypeError."""
     try:
         signature = inspect.signature(factory)
     except (TypeError, ValueError):  # a builtin or C function without a signature: calling it will tell
         return
+    params = signature.parameters.values()
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        unknown = [name for name in given if name not in signature.parameters]
+        if unknown:
+            raise PipecInputError(
+                f"--model {spec}: the factory takes no argument {', '.join(unknown)} "
+                f"(it takes {', '.join(signature.parameters) or 'none'})"
+            )
     required = [
         p.name
-        for p in signature.parameters.values()
+        for p in params
         if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        and p.name not in given
     ]
     if required:
         raise PipecInputError(
@@ -275,7 +316,7 @@ def module_file(spec: str) -> str | None:
     import importlib.util
     import sys
 
-    module_name = spec.rpartition(":")[0]
+    module_name = spec.partition("?")[0].rpartition(":")[0]
     if not module_name:
         return None
     if _is_file(module_name):

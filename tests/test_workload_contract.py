@@ -121,3 +121,24 @@ def test_targets_that_do_not_divide_are_refused_before_any_worker(capsys) -> Non
     err = capsys.readouterr().err
     assert code == 2 and "error: the targets' dim 0 (6) is not divisible by the 4 micro-batches" in err, err
     assert not multiprocessing.active_children()
+
+
+def sized(width: int, depth: int = 2, name: str = "x", flag: bool = False) -> Workload:
+    """A factory with arguments, for `MODULE:FACTORY?NAME=VALUE,...`."""
+    raise AssertionError("resolve does not call the factory")
+
+
+def test_model_spec_arguments_are_typed_and_checked() -> None:
+    from pipec.runtime.workload import resolve
+
+    factory = resolve("test_workload_contract:sized?width=8,name=gpt2,flag=true,depth=1e1")
+    assert factory.keywords == {"width": 8, "name": "gpt2", "flag": True, "depth": 10.0}  # type: ignore[attr-defined]
+    for spec, message in [
+        ("test_workload_contract:sized", "the factory needs arguments (width) but pipec calls it with none"),
+        ("test_workload_contract:sized?width=1,height=2", "the factory takes no argument height (it takes width, "),
+        ("test_workload_contract:sized?width=1,width=2", "width is given twice"),
+        ("test_workload_contract:sized?width", "'width' is not NAME=VALUE (after ?, separated by commas)"),
+    ]:
+        with pytest.raises(PipecInputError) as refused:
+            resolve(spec)
+        assert refused.value.message.startswith(f"--model {spec}: {message}"), refused.value.message

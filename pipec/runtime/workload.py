@@ -1,8 +1,9 @@
 """The workload protocol of `pipec run --model MODULE:FACTORY`.
 
-FACTORY() returns an object with `layers` (an nn.Sequential or a list of modules), `loss_fn(output, target)`
-(a mean over the batch), `batches` (a list of full `(input, target)` batches, one per step) and optionally
-`optimizer(params)` (default SGD with lr 0.1). `Workload` below is a ready-made such object.
+FACTORY() (or FACTORY(**arguments) for `MODULE:FACTORY?NAME=VALUE,...`) returns an object with `layers` (an
+nn.Sequential or a list of modules), `loss_fn(output, target)` (a mean over the batch), `batches` (a list of full
+`(input, target)` batches, one per step; inputs and targets are each cut along dim 0 into the micro-batches) and
+optionally `optimizer(params)` (default SGD with lr 0.1). `Workload` below is a ready-made such object.
 
 `build` checks all of that and turns every way a workload can break the protocol (a factory that needs
 arguments or raises, layers that are not modules, batches that are not pairs of tensors of one shape) into a

@@ -355,11 +355,15 @@ def _entries(group: Mapping[int, str]) -> str:
     return ", ".join(f"stage {s} {n}" for s, n in sorted(group.items()))
 
 
-def _checksum(p: torch.Tensor) -> tuple[float, float]:
-    """Two sums that differ when two copies of a tie start from different values (a different seed, a copy)."""
-    values = p.detach().double()
-    weights = torch.arange(1, values.numel() + 1, dtype=torch.float64, device=values.device).reshape(values.shape)
-    return float(values.sum()), float((values * weights).sum())
+def _checksum(p: torch.Tensor) -> tuple[int, int]:
+    """Two sums that differ when two copies of a tie start from different values (another seed, a copy made
+    elsewhere). Sums of the values' bits as integers: exact and independent of the order of summation, so equal
+    copies agree on ranks that reduce with different thread counts."""
+    values = p.detach().contiguous().reshape(-1)
+    width = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(values.element_size())
+    bits = (values.view(width) if width is not None else values.view(torch.uint8)).to(torch.int64)
+    weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
+    return int(bits.sum()), int((bits * weights).sum())  # int64 wraps around alike everywhere
 
 
 def _check_alike(label: str, holders: list[tuple[int, Any]]) -> None:

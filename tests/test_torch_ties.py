@@ -117,6 +117,24 @@ def _refusal() -> str:
     return "no error"
 
 
+def _different_copies() -> str:
+    """tied= declares two copies that do not start equal (the head's weight initialised on its own)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    rank = torch.distributed.get_rank()
+    model = TiedLM(untied_copy=True)
+    with torch.no_grad():
+        model.head.weight.add_(1.0)
+    modules = model.cut(2)
+    stage = PipelineStage(modules[rank], rank, 2, torch.device("cpu"))
+    last = f"{len(modules[1]) - 1}.weight"
+    try:
+        PipelineSchedule("1f1b", [stage], 4, loss_fn=loss_fn, tied=[{0: "0.weight", 1: last}])
+    except pipec.PipecInputError as e:
+        return e.message
+    return "no error"
+
+
 def _worker(world: int) -> dict:
     results: dict = {}
     for name, chunks, microbatches in CASES[world]:
@@ -124,6 +142,7 @@ def _worker(world: int) -> dict:
             results[(name, mode)] = _train(name, chunks, microbatches, mode)
     if world == 2:
         results["refused"] = _refusal()
+        results["different"] = _different_copies()
     return results
 
 
@@ -162,3 +181,11 @@ def test_a_tie_it_cannot_see_is_refused_on_every_rank() -> None:
     assert messages[0].startswith(expected), messages
     assert messages[1] == messages[0] + " (on rank 0)", messages
     assert "model=whole_model" in messages[0] and "tied=[{0: '0.weight', OTHER_STAGE: 'its.name'}]" in messages[0]
+
+
+def test_tied_copies_that_start_apart_are_refused() -> None:
+    expected = (
+        "pipec.torch: the copies of the tie tied[0] (stage 0 0.weight, stage 1 4.weight) on ranks 0 and 1 start from "
+        "different values"
+    )
+    assert all(result["different"].startswith(expected) for result in _group(2)), [r["different"] for r in _group(2)]

@@ -46,7 +46,7 @@ def faults() -> list[Fault]:
         Fault("layers are a string", [*model, "faulty_workloads:string_layers"]),
         Fault("layers are ints", [*model, "faulty_workloads:int_layers"]),
         Fault("batches: one tensor", [*model, "faulty_workloads:tensor_batches"]),
-        Fault("batches: inputs and targets of different sizes", [*model, "faulty_workloads:mismatched_batches"]),
+        Fault("batches: targets not divisible into the micro-batches", [*model, "faulty_workloads:mismatched_batches"]),
         Fault("batches of the wrong width for the model", [*model, "faulty_workloads:wrong_width"]),
         Fault("factory needs arguments", [*model, "faulty_workloads:needs_args"]),
         Fault("--seed 2**70", [*model, "faulty_workloads:good", "--seed", str(2**70)]),

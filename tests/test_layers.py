@@ -26,9 +26,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pipec.sim", "pipec.compiler"),  # the simulator runs the verifier's liveness and p2p engines
     ("pipec.viz",),
     ("pipec.testing", "pipec.runtime", "pipec.tune"),  # tune searches with the test kit's parameter spaces
-    ("pipec", "pipec.torch", "pipec.cli", "pipec.run", "pipec.__main__"),  # the API and the command line
+    ("pipec", "pipec.torch", "pipec.hf", "pipec.cli", "pipec.run", "pipec.__main__"),  # the API, the command line
 )
-TORCH_USERS = ("pipec.runtime", "pipec.torch")
+TORCH_USERS = ("pipec.runtime", "pipec.torch", "pipec.hf")
+TRANSFORMERS_USERS = ("pipec.hf",)  # the optional extra pipec[hf]
 
 
 def module_name(path: Path) -> str:
@@ -100,7 +101,16 @@ def test_only_the_runtime_imports_torch(path: Path) -> None:
     if any(module == user or module.startswith(user + ".") for user in TORCH_USERS):
         return
     torch = sorted(name for name in imports_of(path) if name == "torch" or name.startswith("torch."))
-    assert not torch, f"{module} imports {', '.join(torch)}: only pipec/runtime and pipec/torch.py may"
+    assert not torch, f"{module} imports {', '.join(torch)}: only pipec/runtime, pipec/torch.py and pipec/hf.py may"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: module_name(p))
+def test_only_pipec_hf_imports_transformers(path: Path) -> None:
+    module = module_name(path)
+    if module in TRANSFORMERS_USERS:
+        return
+    found = sorted(name for name in imports_of(path) if name.split(".")[0] in ("transformers", "huggingface_hub"))
+    assert not found, f"{module} imports {', '.join(found)}: only pipec/hf.py may (an optional extra)"
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: module_name(p))

@@ -155,7 +155,8 @@ def _dry_run(spec: str, work: workload.Workload, sizes, sample, target, training
             except PipecError:
                 raise
             except Exception as e:
-                shape = f"{tuple(sample.shape)} {sample.dtype}"
+                # what this layer received (the previous layer's output), not the batch
+                shape = workload.received(x) + (f", the output of layer {i - 1}" if i else "")
                 under = f" under --dtype {_DTYPE_NAMES[dtype]} (CPU autocast)" if dtype is not None else ""
                 raise PipecInputError(
                     f"--model {spec}: layer {i} ({type(layer).__name__}) fails on a micro-batch of batches[0] "

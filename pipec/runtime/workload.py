@@ -1,8 +1,9 @@
 """The workload protocol of `pipec run --model MODULE:FACTORY`.
 
-FACTORY() returns an object with `layers` (an nn.Sequential or a list of modules), `loss_fn(output, target)`
-(a mean over the batch), `batches` (a list of full `(input, target)` batches, one per step) and optionally
-`optimizer(params)` (default SGD with lr 0.1). `Workload` below is a ready-made such object.
+FACTORY() (or FACTORY(**arguments) for `MODULE:FACTORY?NAME=VALUE,...`) returns an object with `layers` (an
+nn.Sequential or a list of modules), `loss_fn(output, target)` (a mean over the batch), `batches` (a list of full
+`(input, target)` batches, one per step; inputs and targets are each cut along dim 0 into the micro-batches) and
+optionally `optimizer(params)` (default SGD with lr 0.1). `Workload` below is a ready-made such object.
 
 `build` checks all of that and turns every way a workload can break the protocol (a factory that needs
 arguments or raises, layers that are not modules, batches that are not pairs of tensors of one shape) into a
@@ -32,11 +33,16 @@ class Workload:
 
 
 def resolve(spec: str) -> Callable[[], Any]:
-    """The FACTORY function named by MODULE:FACTORY or path/to/file.py:FACTORY. MODULE is imported as `python -m`
-    would: from the current directory first, then the installed packages."""
+    """The FACTORY function named by MODULE:FACTORY or path/to/file.py:FACTORY, with the keyword arguments of an
+    optional `?NAME=VALUE,NAME=VALUE` (`pipec.hf:gpt2?n_layer=4,n_embd=64`; values are ints, floats, true/false/
+    none or else strings). MODULE is imported as `python -m` would: from the current directory first, then the
+    installed packages."""
+    import functools
     import sys
 
-    module_name, sep, attr = spec.rpartition(":")
+    target, _, query = spec.partition("?")
+    arguments = _arguments(spec, query)
+    module_name, sep, attr = target.rpartition(":")
     if not sep or not module_name or not attr:
         raise PipecInputError(
             f"--model {spec!r}: expected MODULE:FACTORY or FILE.py:FACTORY, e.g. examples.workload:mlp "
@@ -58,8 +64,34 @@ def resolve(spec: str) -> Callable[[], Any]:
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise PipecInputError(f"--model {spec}: {module_name} has no function {attr}")
-    _check_no_arguments(spec, factory)
-    return factory
+    _check_no_arguments(spec, factory, arguments)
+    return functools.partial(factory, **arguments) if arguments else factory
+
+
+def _arguments(spec: str, query: str) -> dict[str, Any]:
+    """The keyword arguments of `?a=1,b=x`: each value an int, a float, True/False/None, or else the string."""
+    out: dict[str, Any] = {}
+    for item in query.split(",") if query else ():
+        name, sep, text = item.partition("=")
+        name = name.strip()
+        if not sep or not name.isidentifier():
+            raise PipecInputError(f"--model {spec}: {item!r} is not NAME=VALUE (after ?, separated by commas)")
+        if name in out:
+            raise PipecInputError(f"--model {spec}: {name} is given twice")
+        out[name] = _value(text.strip())
+    return out
+
+
+def _value(text: str) -> Any:
+    words = {"true": True, "false": False, "none": None}
+    if text.lower() in words:
+        return words[text.lower()]
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _is_file(name: str) -> bool:
@@ -90,16 +122,26 @@ def _load_file(path: str) -> Any:
     return module
 
 
-def _check_no_arguments(spec: str, factory: Callable) -> None:
-    """pipec calls FACTORY() with no arguments: say so before calling it, rather than report a TypeError."""
+def _check_no_arguments(spec: str, factory: Callable, given: dict[str, Any]) -> None:
+    """pipec calls FACTORY() with no arguments but those of `?...`: say so before calling it, rather than report a
+    TypeError."""
     try:
         signature = inspect.signature(factory)
     except (TypeError, ValueError):  # a builtin or C function without a signature: calling it will tell
         return
+    params = signature.parameters.values()
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        unknown = [name for name in given if name not in signature.parameters]
+        if unknown:
+            raise PipecInputError(
+                f"--model {spec}: the factory takes no argument {', '.join(unknown)} "
+                f"(it takes {', '.join(signature.parameters) or 'none'})"
+            )
     required = [
         p.name
-        for p in signature.parameters.values()
+        for p in params
         if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        and p.name not in given
     ]
     if required:
         raise PipecInputError(
@@ -207,11 +249,9 @@ def _batches(spec: str, raw: Any) -> list:
                     f"--model {spec}: the {name} of batches[{k}] is a scalar; dim 0 is the batch, split into "
                     "micro-batches"
                 )
-        inputs, targets = batch
-        if inputs.shape[0] != targets.shape[0]:
-            raise PipecInputError(
-                f"--model {spec}: batches[{k}] has {inputs.shape[0]} inputs but {targets.shape[0]} targets (dim 0)"
-            )
+        # Inputs and targets are each cut along dim 0 (`split`), as torch.distributed.pipelining cuts them: targets
+        # may have another dim 0 (flattened tokens, say), as long as each divides into the micro-batches.
+        inputs, _ = batch
         if first is None:
             first = (tuple(inputs.shape), inputs.dtype)
         elif (tuple(inputs.shape), inputs.dtype) != first:
@@ -233,22 +273,42 @@ def make_optimizer(workload: Workload, params: list):
 
 
 def split(batch, microbatches: int, replica: int = 0, replicas: int = 1) -> tuple[list, list]:
-    """Replica `replica`'s M micro-batches of a full (input, target) batch: the batch is cut along dim 0 into
-    D x M equal micro-batches and replica r takes the r-th run of M (global micro-batch r * M + m)."""
+    """Replica `replica`'s M micro-batches of a full (input, target) batch: the inputs and the targets are each cut
+    along dim 0 into D x M equal micro-batches and replica r takes the r-th run of M (global micro-batch r * M + m).
+    Their dim 0 may differ (targets of flattened tokens: B x T rows for B sequences)."""
     inputs, targets = batch
-    size = inputs.shape[0]
-    parts = microbatches * replicas
+    mine = slice(replica * microbatches, (replica + 1) * microbatches)
+    return (
+        _cut(inputs, "the batch size {}", microbatches, replicas)[mine],
+        _cut(targets, "the targets' dim 0 ({})", microbatches, replicas)[mine],
+    )
+
+
+def _cut(tensor, named: str, microbatches: int, replicas: int) -> list:
+    """`tensor` cut along dim 0 into D x M equal pieces; `named` formats its dim 0 for messages."""
+    size, parts = tensor.shape[0], microbatches * replicas
+    what = named.format(size)
     if size % parts:
         if replicas == 1:
-            raise PipecInputError(f"the batch size {size} is not divisible by the {microbatches} micro-batches")
+            raise PipecInputError(f"{what} is not divisible by the {microbatches} micro-batches")
         raise PipecInputError(
-            f"the batch size {size} is not divisible by --dp {replicas} x {microbatches} micro-batches = {parts} "
+            f"{what} is not divisible by --dp {replicas} x {microbatches} micro-batches = {parts} "
             "(each replica takes an equal share of every batch, cut into equal micro-batches)"
         )
     if size < parts:  # chunk() would return fewer, empty-free pieces
-        raise PipecInputError(f"the batch size {size} is smaller than {parts} micro-batches")
-    mine = slice(replica * microbatches, (replica + 1) * microbatches)
-    return list(inputs.chunk(parts))[mine], list(targets.chunk(parts))[mine]
+        raise PipecInputError(f"{what} is smaller than {parts} micro-batches")
+    return list(tensor.chunk(parts))
+
+
+def received(value: object) -> str:
+    """What a layer received, for messages: `(2, 16, 64) torch.float32`, or a tuple's tensors in brackets."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {value.dtype}"
+    if type(value) is tuple and all(isinstance(t, torch.Tensor) for t in value):
+        return "a tuple (" + ", ".join(received(t) for t in value) + ")"
+    return describe(value)
 
 
 def module_file(spec: str) -> str | None:
@@ -257,7 +317,7 @@ def module_file(spec: str) -> str | None:
     import importlib.util
     import sys
 
-    module_name = spec.rpartition(":")[0]
+    module_name = spec.partition("?")[0].rpartition(":")[0]
     if not module_name:
         return None
     if _is_file(module_name):

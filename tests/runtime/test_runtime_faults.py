@@ -108,7 +108,6 @@ def leftovers(tmp_path: Path) -> list[str]:
         ("int_layers", "layers[0] is an int, not an nn.Module"),
         ("tensor_batches", "batches is a tensor of shape (2, 8, 8); expected a list of (input, target) pairs"),
         ("unpaired_batches", "batches[0] is a tensor of shape (8, 8); expected an (input, target) pair"),
-        ("mismatched_batches", "batches[0] has 8 inputs but 4 targets (dim 0)"),
         ("number_batches", "batches is an int; expected a list of (input, target) pairs"),
         ("wrong_width", "layer 0 (Linear) fails on a micro-batch of batches[0] (input (2, 5) torch.float32)"),
     ],

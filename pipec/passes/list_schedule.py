@@ -26,8 +26,9 @@ import heapq
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
+from functools import partial
 from typing import NamedTuple
 
 from pipec.errors import PipecInputError
@@ -103,6 +104,85 @@ def schedule_timeline(
     max_steps: int = MAX_STEPS,
 ) -> Timeline:
     """list_schedule with its timeline: each op's start, the live memory after it, the makespan."""
+    run = _start_run(template, rules, costs, input_fraction, stage_sizes, max_steps)
+    events = run.events
+    while run.left:
+        if not events:  # nothing runs and nothing will arrive: no rank can ever pick again
+            raise PipecInputError(
+                _stuck(run.ranks, run.now, run.live, run.limits, partial(_candidates, run), partial(_fits, run))
+            )
+        now = run.now = events[0][0]
+        while events and events[0][0] == now:  # every completion and wake-up at this time, before any choice
+            _, _, rank, action = heapq.heappop(events)
+            if action is None:
+                run.busy[rank] = False
+        # a start can make a waiting rank's gap known (done is recorded at the start), so the pass repeats at this
+        # time until no rank starts anything; a rank picks at most once a pass, and a busy one never
+        started = True
+        while started:
+            started = False
+            for rank in range(run.ranks):
+                if run.busy[rank]:
+                    continue
+                best = _pick(run, rank)
+                if best is not None:
+                    _start(run, rank, best)
+                    started = True
+    makespan = max((t for t, _, _, action in events if action is None), default=run.now)  # the last ops' ends
+    program = replace(template, streams=tuple(tuple(s) for s in run.out), has_comms=False)
+    return Timeline(program, tuple(map(tuple, run.starts)), tuple(map(tuple, run.lives)), makespan)
+
+
+@dataclass
+class _Run:
+    """One list-scheduling run: the problem as the scheduler reads it, and its state (per rank: the counters of
+    each chunk, the W queues, busy, live memory, the ops chosen so far). Made per call; nothing outlives it."""
+
+    ranks: int
+    n_mb: int
+    where: tuple[int, ...]  # stage -> rank
+    last: int  # the last stage
+    rules: Rules
+    back: Kind  # I when the rules split the backward, else B
+    order: dict[Kind, int]  # tie-break rank of each kind the rules take
+    dur: dict[Kind, list[Fraction]]  # per kind, per stage
+    forward_to: Sequence[int | None]  # where each stage's output goes
+    backward_to: Sequence[int | None]  # where each stage's input gradient goes
+    delay: Fraction  # message time
+    post: Fraction  # what posting one send costs its rank (the message time unless sends overlap compute)
+    deltas: dict[Kind, float]
+    sizes: list[float]
+    stages: list[tuple[int, ...]]  # per rank, its stages in chunk order
+    work: list[Fraction]  # per rank, busy time per micro-batch
+    limits: list[float | None]
+    max_steps: int
+    fwd: list[list[int]] = field(default_factory=list)
+    bwd: list[list[int]] = field(default_factory=list)
+    queue: list[list[deque[int]]] = field(default_factory=list)  # per chunk, mbs whose W is pending
+    done: dict[tuple[int, str, int], Fraction] = field(default_factory=dict)  # (stage, F/G/I, mb) -> producer's end
+    busy: list[bool] = field(default_factory=list)
+    live: list[float] = field(default_factory=list)
+    out: list[list[Action]] = field(default_factory=list)
+    starts: list[list[Fraction]] = field(default_factory=list)
+    lives: list[list[float]] = field(default_factory=list)
+    events: list[tuple[Fraction, int, int, Action | None]] = field(default_factory=list)
+    seq: int = 0
+    steps: int = 0
+    left: int = 0
+    now: Fraction = Fraction(0)
+    deadline: float = 0.0
+    clock: int = 1024
+
+
+def _start_run(
+    template: Program,
+    rules: Rules,
+    costs: CostModel | None,
+    input_fraction: float,
+    stage_sizes: Sequence[float] | None,
+    max_steps: int,
+) -> _Run:
+    """The run's problem, checked, and its empty state: every rank free at time 0."""
     ranks, n_mb, where, last = template.ranks, template.microbatches, template.stage_to_rank, template.num_stages - 1
     check_sizes(ranks, n_mb, template.chunks)
     back = Kind.I if Kind.I in rules.takes else Kind.B
@@ -114,7 +194,7 @@ def schedule_timeline(
         )
     table = {k: [d] * (last + 1) for k, d in DEFAULT_DURATION.items()} if costs is None else costs.per_stage(last + 1)
     dur = {k: [Fraction(str(x)) for x in table[k]] for k in rules.takes}
-    forward_to, backward_to = receiving_ranks(where)  # where each stage's output and input gradient go
+    forward_to, backward_to = receiving_ranks(where)
     delay = Fraction(str(costs.message_time)) if costs is not None else Fraction(0)
     post = Fraction(0) if costs is None or costs.overlap else delay
     # forward-only: each activation is freed once sent on (peak_activations' model), so memory never binds
@@ -129,159 +209,139 @@ def schedule_timeline(
         b if b is not None else (template.memory_bound[r] if template.memory_bound else None)
         for r, b in enumerate(limits)
     ]
-    order = {k: i for i, k in enumerate(rules.takes)}
-    fwd = [[0] * len(s) for s in stages]
-    bwd = [[0] * len(s) for s in stages]
-    queue: list[list[deque[int]]] = [[deque() for _ in s] for s in stages]  # per chunk, mbs whose W is pending
-    done: dict[tuple[int, str, int], Fraction] = {}  # (stage, F/G/I, mb) -> when the producer ended
-    busy = [False] * ranks
-    live = [0.0] * ranks
-    out: list[list[Action]] = [[] for _ in range(ranks)]
-    starts: list[list[Fraction]] = [[] for _ in range(ranks)]
-    lives: list[list[float]] = [[] for _ in range(ranks)]
-    events: list[tuple[Fraction, int, int, Action | None]] = [(Fraction(0), 0, r, None) for r in range(ranks)]
-    seq, steps, left, now = ranks, 0, sum(map(len, stages)) * n_mb * len(rules.takes), Fraction(0)
-    deadline, clock = time.monotonic() + MAX_SECONDS, 1024
+    return _Run(
+        ranks, n_mb, where, last, rules, back, {k: i for i, k in enumerate(rules.takes)}, dur, forward_to,
+        backward_to, delay, post, deltas, sizes, stages, work, limits, max_steps,
+        fwd=[[0] * len(s) for s in stages],
+        bwd=[[0] * len(s) for s in stages],
+        queue=[[deque() for _ in s] for s in stages],
+        busy=[False] * ranks,
+        live=[0.0] * ranks,
+        out=[[] for _ in range(ranks)],
+        starts=[[] for _ in range(ranks)],
+        lives=[[] for _ in range(ranks)],
+        events=[(Fraction(0), 0, r, None) for r in range(ranks)],
+        seq=ranks,
+        left=sum(map(len, stages)) * n_mb * len(rules.takes),
+        deadline=time.monotonic() + MAX_SECONDS,
+    )  # fmt: skip
 
-    def ready_at(rank: int, kind: Kind, stage: int, mb: int) -> Fraction | None:
-        if kind is Kind.W:
-            return done[(stage, "I", mb)]  # it is in the queue: its I ran on this rank
-        keys = (
-            ([(stage - 1, "F", mb)] if stage > 0 else [])
-            if kind is Kind.F
-            else ([(stage, "F", mb)] + ([(stage + 1, "G", mb)] if stage < last else []))
+
+def _ready_at(run: _Run, rank: int, kind: Kind, stage: int, mb: int) -> Fraction | None:
+    """When the op's inputs are on this rank (a message from another rank adds its time); None: not yet known."""
+    done = run.done
+    if kind is Kind.W:
+        return done[(stage, "I", mb)]  # it is in the queue: its I ran on this rank
+    keys = (
+        ([(stage - 1, "F", mb)] if stage > 0 else [])
+        if kind is Kind.F
+        else ([(stage, "F", mb)] + ([(stage + 1, "G", mb)] if stage < run.last else []))
+    )
+    at = Fraction(0)
+    for key in keys:
+        if key not in done:
+            return None
+        at = max(at, done[key] + (run.delay if run.where[key[0]] != rank else 0))
+    return at
+
+
+def _candidates(run: _Run, rank: int) -> list[tuple[Kind, int, int, int, Fraction | None, float]]:
+    """(kind, chunk, stage, mb, ready or None, after) for every counter with work left."""
+    found = []
+    fwd, bwd, queue, n_mb, live, deltas = run.fwd[rank], run.bwd[rank], run.queue[rank], run.n_mb, run.live, run.deltas
+    for c, s in enumerate(run.stages[rank]):
+        for kind, mb in ((Kind.F, fwd[c]), (run.back, bwd[c]), (Kind.W, queue[c][0] if queue[c] else n_mb)):
+            if kind in run.order and mb < n_mb:
+                after = live[rank] + deltas[kind] * run.sizes[s]
+                found.append((kind, c, s, mb, _ready_at(run, rank, kind, s, mb), after))
+    return found
+
+
+def _fits(run: _Run, rank: int, kind: Kind, after: float) -> bool:
+    limit = run.limits[rank]
+    return run.deltas[kind] <= 0 or limit is None or after <= limit + MEMORY_TOLERANCE  # frees always fit
+
+
+def _pick(run: _Run, rank: int) -> Candidate | None:
+    """The op the rules choose for a free rank now (None: none is ready, fits and is admitted), within the budget."""
+    found = _candidates(run, rank)
+    now = run.now
+    run.steps += len(found) + 1
+    steps = run.steps
+    if steps > run.max_steps or (steps > run.clock and time.monotonic() > run.deadline):
+        raise PipecInputError(
+            f"list scheduling stopped after {steps:,} steps at t={now}, over pipec's "
+            f"limit of {run.max_steps:,} steps or {MAX_SECONDS:g} s"
         )
-        at = Fraction(0)
-        for key in keys:
-            if key not in done:
-                return None
-            at = max(at, done[key] + (delay if where[key[0]] != rank else 0))
-        return at
+    run.clock = steps + 1024 if steps > run.clock else run.clock  # the clock is read every 1024 steps or so
+    now_ready = [f for f in found if f[4] is not None and f[4] <= now]
+    idle = not any(f[0] is not Kind.W and _fits(run, rank, f[0], f[5]) for f in now_ready)
+    blocked = any(f[0] is Kind.F and not _fits(run, rank, f[0], f[5]) for f in now_ready)
+    # ready_at is known once the producer has started (done is recorded at its start), so a later time is an
+    # input on its way: the gap a W may fill without delaying it
+    gap = min((f[4] - now for f in found if f[0] is not Kind.W and f[4] is not None and f[4] > now), default=NEVER)
+    fwd, bwd, queue, stages = run.fwd[rank], run.bwd[rank], run.queue[rank], run.stages[rank]
+    deltas, sizes = run.deltas, run.sizes
+    inflight, wpending = sum(fwd) - sum(bwd), sum(map(len, queue))
+    # what a reservation must keep free so that every started micro-batch can finish its forwards here
+    owed = sum((fwd[0] - n) * deltas[Kind.F] * sizes[s] for n, s in zip(fwd, stages, strict=True))
+    limit = run.limits[rank]
+    rules, order, dur, live, work = run.rules, run.order, run.dur, run.live[rank], run.work[rank]
+    best, best_key = None, None
+    for kind, c, s, mb, ready, after in now_ready:
+        if not _fits(run, rank, kind, after):
+            continue
+        cand = Candidate(
+            rank, kind, c, s, mb, now, ready, dur[kind][s], live, after, idle, blocked, gap, inflight, wpending, work,
+            owed, float(NEVER) if limit is None else limit,
+        )  # fmt: skip
+        if rules.admit is not None and not rules.admit(cand):
+            continue
+        key = (tuple(rules.priority(cand)), (-c, -order[kind], -mb))
+        if best_key is None or key > best_key:
+            best, best_key = cand, key
+    return best
 
-    def candidates(rank: int) -> list[tuple[Kind, int, int, int, Fraction | None, float]]:
-        """(kind, chunk, stage, mb, ready or None, after) for every counter with work left."""
-        found = []
-        for c, s in enumerate(stages[rank]):
-            for kind, mb in (
-                (Kind.F, fwd[rank][c]),
-                (back, bwd[rank][c]),
-                (Kind.W, queue[rank][c][0] if queue[rank][c] else n_mb),
-            ):
-                if kind in order and mb < n_mb:
-                    found.append((kind, c, s, mb, ready_at(rank, kind, s, mb), live[rank] + deltas[kind] * sizes[s]))
-        return found
 
-    def fits(rank: int, kind: Kind, after: float) -> bool:
-        return deltas[kind] <= 0 or limits[rank] is None or after <= limits[rank] + MEMORY_TOLERANCE  # frees always fit
-
-    while left:
-        if not events:  # nothing runs and nothing will arrive: no rank can ever pick again
-            raise PipecInputError(_stuck(ranks, now, live, limits, candidates, fits))
-        now = events[0][0]
-        while events and events[0][0] == now:  # every completion and wake-up at this time, before any choice
-            _, _, rank, action = heapq.heappop(events)
-            if action is None:
-                busy[rank] = False
-        # a start can make a waiting rank's gap known (done is recorded at the start), so the pass repeats at this
-        # time until no rank starts anything; a rank picks at most once a pass, and a busy one never
-        started = True
-        while started:
-            started = False
-            for rank in range(ranks):
-                if busy[rank]:
-                    continue
-                found = candidates(rank)
-                steps += len(found) + 1
-                if steps > max_steps or (steps > clock and time.monotonic() > deadline):
-                    raise PipecInputError(
-                        f"list scheduling stopped after {steps:,} steps at t={now}, over pipec's "
-                        f"limit of {max_steps:,} steps or {MAX_SECONDS:g} s"
-                    )
-                clock = steps + 1024 if steps > clock else clock  # the clock is read every 1024 steps or so
-                now_ready = [f for f in found if f[4] is not None and f[4] <= now]
-                idle = not any(f[0] is not Kind.W and fits(rank, f[0], f[5]) for f in now_ready)
-                blocked = any(f[0] is Kind.F and not fits(rank, f[0], f[5]) for f in now_ready)
-                # ready_at is known once the producer has started (done is recorded at its start), so a later time is an
-                # input on its way: the gap a W may fill without delaying it
-                gap = min(
-                    (f[4] - now for f in found if f[0] is not Kind.W and f[4] is not None and f[4] > now), default=NEVER
-                )
-                inflight, wpending = sum(fwd[rank]) - sum(bwd[rank]), sum(map(len, queue[rank]))
-                # what a reservation must keep free so that every started micro-batch can finish its forwards here
-                owed = sum(
-                    (fwd[rank][0] - n) * deltas[Kind.F] * sizes[s] for n, s in zip(fwd[rank], stages[rank], strict=True)
-                )
-                best, best_key = None, None
-                for kind, c, s, mb, ready, after in now_ready:
-                    if not fits(rank, kind, after):
-                        continue
-                    cand = Candidate(
-                        rank,
-                        kind,
-                        c,
-                        s,
-                        mb,
-                        now,
-                        ready,
-                        dur[kind][s],
-                        live[rank],
-                        after,
-                        idle,
-                        blocked,
-                        gap,
-                        inflight,
-                        wpending,
-                        work[rank],
-                        owed,
-                        float(NEVER) if limits[rank] is None else limits[rank],
-                    )
-                    if rules.admit is not None and not rules.admit(cand):
-                        continue
-                    key = (tuple(rules.priority(cand)), (-c, -order[kind], -mb))
-                    if best_key is None or key > best_key:
-                        best, best_key = cand, key
-                if best is None:
-                    continue
-                kind, c, s, mb = best.kind, best.chunk, best.stage, best.mb
-                if kind is Kind.F:
-                    fwd[rank][c] += 1
-                elif kind is Kind.W:
-                    queue[rank][c].popleft()
-                else:
-                    bwd[rank][c] += 1
-                live[rank] = best.after
-                out[rank].append(Action(s, kind, mb))
-                starts[rank].append(now)
-                lives[rank].append(live[rank])
-                end = now + best.dur
-                made = (
-                    [(s, "F", mb)]
-                    if kind is Kind.F
-                    else [(s, "G", mb)]
-                    if kind is Kind.B
-                    else [(s, "G", mb), (s, "I", mb)]
-                    if kind is Kind.I
-                    else []
-                )
-                if kind is Kind.I:
-                    queue[rank][c].append(mb)
-                sends = 0
-                for key in made:
-                    done[key] = end  # recorded now, but nothing reads it before `end` (readiness is checked <= now)
-                    peer = forward_to[s] if key[1] == "F" else backward_to[s] if key[1] == "G" else None
-                    if peer is not None and peer != rank:
-                        # wakes the peer when the message arrives; a consumer on this rank waits for this rank anyway
-                        sends += 1
-                        seq += 1
-                        heapq.heappush(events, (end + delay, seq, peer, Action(s, kind, mb)))
-                busy[rank] = True
-                seq += 1
-                heapq.heappush(events, (end + post * sends, seq, rank, None))  # free again, its sends posted
-                left -= 1
-                started = True
-    makespan = max((t for t, _, _, action in events if action is None), default=now)  # the last ops' ends
-    program = replace(template, streams=tuple(tuple(s) for s in out), has_comms=False)
-    return Timeline(program, tuple(map(tuple, starts)), tuple(map(tuple, lives)), makespan)
+def _start(run: _Run, rank: int, best: Candidate) -> None:
+    """Start the chosen op: count it, record its start and the memory after it, and queue its end (the rank free
+    again, its sends posted) and the wake-up of each peer its outputs go to."""
+    kind, c, s, mb, now = best.kind, best.chunk, best.stage, best.mb, run.now
+    if kind is Kind.F:
+        run.fwd[rank][c] += 1
+    elif kind is Kind.W:
+        run.queue[rank][c].popleft()
+    else:
+        run.bwd[rank][c] += 1
+    run.live[rank] = best.after
+    run.out[rank].append(Action(s, kind, mb))
+    run.starts[rank].append(now)
+    run.lives[rank].append(best.after)
+    end = now + best.dur
+    made = (
+        [(s, "F", mb)]
+        if kind is Kind.F
+        else [(s, "G", mb)]
+        if kind is Kind.B
+        else [(s, "G", mb), (s, "I", mb)]
+        if kind is Kind.I
+        else []
+    )
+    if kind is Kind.I:
+        run.queue[rank][c].append(mb)
+    sends = 0
+    for key in made:
+        run.done[key] = end  # recorded now, but nothing reads it before `end` (readiness is checked <= now)
+        peer = run.forward_to[s] if key[1] == "F" else run.backward_to[s] if key[1] == "G" else None
+        if peer is not None and peer != rank:
+            # wakes the peer when the message arrives; a consumer on this rank waits for this rank anyway
+            sends += 1
+            run.seq += 1
+            heapq.heappush(run.events, (end + run.delay, run.seq, peer, Action(s, kind, mb)))
+    run.busy[rank] = True
+    run.seq += 1
+    heapq.heappush(run.events, (end + run.post * sends, run.seq, rank, None))  # free again, its sends posted
+    run.left -= 1
 
 
 def _stuck(ranks: int, now: Fraction, live: list[float], limits: list, candidates: Callable, fits: Callable) -> str:

@@ -27,6 +27,11 @@ from pipec.errors import PipecInputError
 from pipec.runtime.workload import SEED_MAX
 
 HELP = "train a model with the schedule on torch.distributed"
+DESCRIPTION = (
+    "Compile and verify the schedule, then train the --model workload with it on torch.distributed: P x D local "
+    "worker processes, or one worker of each process torchrun starts. Bad input is refused before any worker "
+    "starts."
+)
 EXAMPLES = """examples:
   pipec run 1f1b -P 4 -M 8 --model examples.workload:mlp --steps 3
   pipec run zbv -P 2 -M 8 -V 2 --dp 2 --model examples.workload:mlp --save weights.pt --report run.json

@@ -63,3 +63,23 @@ def test_help_speaks_to_users_not_of_modules() -> None:
         assert "pipec." not in text and "TEST_MAX" not in text, (command, text)
     _, out, _ = run_main(["list", "--help"])
     assert "exit codes: 0 ok, 2 bad input or usage" in out and "1 the schedule is invalid" not in out
+
+
+def test_a_v1_cost_list_for_a_v2_schedule_names_per_rank_share(tmp_path: Path) -> None:
+    costs = tmp_path / "v1.json"
+    costs.write_text('{"F": [1, 1, 1, 1], "B": [2, 2, 2, 2], "W": [1, 1, 1, 1], "activation": [1, 1, 1, 1]}')
+    code, _, err = run_main(["simulate", "zbv", "-P", "4", "-M", "8", "-V", "2", "--cost", str(costs)])
+    assert code == 2 and "cost 'F' has 4 entries, the schedule has 8 stages" in err and "--per-rank-share" in err
+    argv = ["simulate", "zbv", "-P", "4", "-M", "8", "-V", "2", "--cost", str(costs), "--per-rank-share"]
+    code, out, _ = run_main(argv)
+    assert code == 0 and "makespan 25.5" in out  # spread: each chunk takes half a rank share's F, B, W
+
+
+def test_costs_filled_with_defaults_are_named_and_tune_wants_the_backward_split() -> None:
+    code, out, err = run_main(["simulate", "1f1b", "-P", "2", "-M", "2", "--cost", "F=1.5,B=3"])
+    assert code == 0 and "note: --cost gives no I or W; using I=2, W=1" in err
+    assert "B=3,I=2,W=1" in out  # the note says what was simulated
+    code, _, err = run_main(["simulate", "1f1b", "-P", "2", "-M", "2", "--cost", "F=1,I=2,W=1"])
+    assert code == 0 and err == ""  # complete: nothing to say
+    code, _, err = run_main(["tune", "-P", "2", "-M", "4", "--cost", "F=1,B=2", "--memory-limit", "2"])
+    assert code == 2 and "give the backward's split, B and W or I and W (it has B)" in err

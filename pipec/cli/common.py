@@ -122,9 +122,30 @@ def placement_costs(args: argparse.Namespace):
     """The Costs of --cost, or None for the default placement (without loading the cost model)."""
     if getattr(args, "cost", None) is None:
         return None
-    from pipec.sim.costs import parse_costs
+    return given_costs(args.cost)
 
-    return parse_costs(args.cost)
+
+def given_costs(spec: str | None, complete: bool = False) -> Costs:
+    """The Costs of a --cost argument. Defaults fill what it leaves out, and that is said (on standard error):
+    `--cost F=1.5,B=3` silently took W=1. With ``complete`` (pipec tune, whose search depends on the backward's
+    split) a --cost without two of B, I, W is refused instead."""
+    from pipec.sim.costs import DEFAULT_COSTS, parse_costs
+
+    costs = parse_costs(spec)
+    missing = costs.defaulted_compute
+    if spec is None or not missing:
+        return costs
+    split = [k for k in missing if k != "F"]
+    if complete and split:
+        raise PipecInputError(
+            f"--cost {spec[:60]}: give the backward's split, B and W or I and W (it has "
+            f"{' and '.join(k for k in ('B', 'I', 'W') if k in costs.given) or 'none of B, I, W'}); the schedules "
+            "tune finds depend on it"
+        )
+    if costs.given & {"F", "B", "I", "W"}:  # some compute given, the rest assumed: say what was assumed
+        filled = ", ".join(f"{k}={getattr(costs, k) if k == 'I' else getattr(DEFAULT_COSTS, k):g}" for k in missing)
+        say_error(f"note: --cost gives no {' or '.join(missing)}; using {filled} (give F and two of B, I, W)")
+    return costs
 
 
 def share_args(parser: argparse.ArgumentParser) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from pipec.cli.common import compile_schedule, schedule_args, share_args, write
+from pipec.cli.common import compile_schedule, given_costs, schedule_args, share_args, write
 from pipec.sim.costs import DEFAULT_COSTS
 
 HELP = "simulate a schedule with a cost model: makespan, bubble, memory"
@@ -51,12 +51,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_simulation(args: argparse.Namespace, record: bool = False):
     """Compile the schedule named by the common arguments and simulate it (shared with `pipec viz`)."""
-    from pipec.sim.costs import parse_costs
     from pipec.sim.simulate import simulate
 
     # the send/recv are placed for the costs simulated (streams a file already holds stay as written); under
     # --per-rank-share those are the given costs in the program's stage units
-    program, costs = compile_schedule(args, parse_costs(args.cost))
+    program, costs = compile_schedule(args, given_costs(args.cost))
     assert costs is not None  # parse_costs gives the defaults for no --cost
     return simulate(program, costs, record=record, p2p=args.p2p)
 

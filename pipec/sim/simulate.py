@@ -39,7 +39,7 @@ from typing import NamedTuple
 from pipec.errors import PipecInputError, ScheduleError
 from pipec.gcpause import without_cyclic_gc
 from pipec.ir import Action, Instruction, Kind, Overlap, Program
-from pipec.sim.costs import DEFAULT_COSTS, Costs
+from pipec.sim.costs import DEFAULT_COSTS, Costs, length_mismatch
 from pipec.verify.deadlock import batched
 from pipec.verify.memory import peak_activations
 
@@ -849,9 +849,7 @@ def _peaks(program: Program, costs: Costs, input_fraction: float | None) -> tupl
     if costs.activation is not None:
         sizes = costs.activation if isinstance(costs.activation, tuple) else (costs.activation,) * program.num_stages
         if len(sizes) != program.num_stages:
-            raise PipecInputError(
-                f"cost 'activation' has {len(sizes)} entries, the schedule has {program.num_stages} stages"
-            )
+            raise PipecInputError(length_mismatch("activation", len(sizes), program.num_stages))
     return peak_activations(program, fraction, sizes)
 
 

@@ -83,3 +83,27 @@ def test_costs_filled_with_defaults_are_named_and_tune_wants_the_backward_split(
     assert code == 0 and err == ""  # complete: nothing to say
     code, _, err = run_main(["tune", "-P", "2", "-M", "4", "--cost", "F=1,B=2", "--memory-limit", "2"])
     assert code == 2 and "give the backward's split, B and W or I and W (it has B)" in err
+
+
+def _peaks(table: str, header: str, column: int) -> list[float]:
+    lines = table.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header)) + 1
+    return [float(line.split()[column]) for line in lines[start : start + 4]]
+
+
+def test_check_and_simulate_read_a_cost_files_activation_list_alike(tmp_path: Path) -> None:
+    costs = tmp_path / "act.json"
+    costs.write_text('{"F": 1, "B": 2, "W": 1, "activation": [1.5, 1, 1, 1]}')
+    _, checked, _ = run_main(["check", "1f1b", "-P", "4", "-M", "8", "--cost", str(costs)])
+    _, simulated, _ = run_main(["simulate", "1f1b", "-P", "4", "-M", "8", "--cost", str(costs)])
+    assert _peaks(checked, "rank   ops", 2) == _peaks(simulated, "rank      busy", 5) == [6, 3, 2, 1]
+
+
+def test_peaks_in_stage_units_say_so_where_v_is_over_1() -> None:
+    _, out, _ = run_main(["check", "zbv", "-P", "4", "-M", "8", "-V", "2"])
+    assert "units: micro-batches of one stage's activations (pipec tune, --per-rank-share: of a rank's V=2" in out
+    assert "so 8 here is 4 there" in out
+    _, out, _ = run_main(["simulate", "zbv", "-P", "4", "-M", "8", "-V", "2"])
+    assert "so 8 here is 4 there" in out
+    _, out, _ = run_main(["check", "1f1b", "-P", "4", "-M", "8"])
+    assert "units:" not in out  # V=1: a stage is a rank's share, one unit either way

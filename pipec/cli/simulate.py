@@ -84,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
         if args.per_rank_share:  # the header's costs are per stage; say how they relate to the ones given
             text += "units: per rank share of the model (costs above per stage: 1/V of those given; peak_memory "
             text += "in micro-batches of one rank's share)\n"
+        elif result.program.chunks > 1:
+            from pipec.verify.memory import stage_units_note
+
+            text += stage_units_note(result.program.chunks, max(result.peak_memory, default=0.0)) + "\n"
         if why:
             total = sum(w.until - w.time for w in waits)
             text += f"waits on the critical path: {len(waits)}, {time_units(total)}\n"

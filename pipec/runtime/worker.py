@@ -36,7 +36,7 @@ from pipec.runtime.interpreter import Context
 from pipec.runtime.launch import RunError, group_timeout, parent_gone
 from pipec.runtime.objects import all_gather_objects, broadcast_object, gather_objects
 from pipec.runtime.replicas import Layout, average_gradients, replica_group
-from pipec.verify.memory import peak_activations
+from pipec.verify.memory import peak_activations, stage_units_note
 
 
 @dataclass
@@ -841,6 +841,8 @@ def _write_outputs(report: dict, events: list, weights, options: Options, say) -
                 f"{r['interpreter_us_per_instruction']:15.1f}  {r['peak_activations']:16g}  "
                 f"{r['peak_activations_predicted']:9g}"
             )
+        if report["chunks"] > 1:
+            say(stage_units_note(report["chunks"], max(r["peak_activations_predicted"] for r in report["ranks"])))
     outputs: list[tuple[str, Callable[[BinaryIO], object]]] = []
     if options.report:
         report_bytes = (json.dumps(report, indent=2) + "\n").encode()

@@ -1,7 +1,7 @@
 """The language reference and the tutorial cannot rot: every example in them is compiled here.
 
 What is checked, by the info string of each fenced block in docs/language.md, tutorial.md, testing.md, format.md,
-torch.md and tuning.md:
+torch.md, tuning.md and simulator.md (and docs/schedules.md with its pictures is what scripts/gallery.py writes):
 
 - ```` ```pipe P=4 M=8 [V=2] [NAME=VALUE ...] ````: the block is a whole schedule; `pipec compile` with these
   parameters (names other than P, M, V go to `--set`) succeeds, which includes every verification pass.
@@ -39,7 +39,8 @@ from pipec.library import bundled_source
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = tuple(
-    ROOT / "docs" / name for name in ("language.md", "tutorial.md", "testing.md", "format.md", "torch.md", "tuning.md")
+    ROOT / "docs" / name
+    for name in ("language.md", "tutorial.md", "testing.md", "format.md", "torch.md", "tuning.md", "simulator.md")
 )
 EXAMPLES = ROOT / "examples" / "tutorial"
 BUILTIN = ("P", "M", "V")
@@ -263,6 +264,19 @@ def test_tutorial_1f1b_is_the_library_1f1b() -> None:
         reference = pipec.load("1f1b", p, m).streams
         assert pipec.load(str(EXAMPLES / "step2_1f1b.pipe"), p, m).streams == reference
         assert pipec.load(str(EXAMPLES / "step3_warmup.pipe"), p, m).streams == reference
+
+
+def test_the_gallery_is_what_its_script_writes(tmp_path: Path) -> None:
+    """docs/schedules.md's figures (and docs/img/*.svg) come from `python scripts/gallery.py`, run here."""
+    import subprocess
+
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "gallery.py"), "--out", str(tmp_path)], check=True,
+                   capture_output=True, timeout=120)  # fmt: skip
+    assert (tmp_path / "schedules.md").read_text() == (ROOT / "docs" / "schedules.md").read_text(), (
+        "docs/schedules.md is stale: run python scripts/gallery.py"
+    )
+    for picture in sorted((tmp_path / "img").glob("*.svg")):
+        assert picture.read_text() == (ROOT / "docs" / "img" / picture.name).read_text(), f"{picture.name} is stale"
 
 
 # ---- refreshing the shown outputs ---------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
             text += stage_units_note(result.program.chunks, max(result.peak_memory, default=0.0)) + "\n"
         if why:
             total = sum(w.until - w.time for w in waits)
-            text += f"waits on the critical path: {len(waits)}, {time_units(total)}\n"
+            text += f"waits on the critical path: {f'{len(waits)}, {time_units(total)}' if waits else 'none'}\n"
             text += "".join(f"  {w.kind:<5} {w.text}\n" for w in waits)
         write(text, args.output)
     return 0

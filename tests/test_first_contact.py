@@ -124,3 +124,31 @@ def test_the_gallerys_nccl_figures_are_what_pipec_simulate_prints() -> None:
         for p2p, expected in (("nccl", nccl), ("ideal", ideal)):
             code, out, _ = run_main([*argv, "--p2p", p2p])
             assert code == 0 and out.splitlines()[1].startswith(f"makespan {expected} "), (argv, p2p, out)
+
+
+def _doc_texts() -> dict[str, str]:
+    return {p.name: p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
+
+
+def test_every_file_a_document_shows_whole_is_in_the_repository() -> None:
+    import re
+
+    for name, text in _doc_texts().items():
+        for path in re.findall(r"^```pipe .*\bfile=(\S+\.pipe)\b", text, re.MULTILINE):  # schedules, not streams
+            assert (ROOT / path).is_file(), f"{name} shows {path}, which a user following it does not have"
+
+
+def test_what_the_documented_commands_write_is_ignored_by_git() -> None:
+    import re
+    import shutil
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        return  # not a checkout: nothing to leave untracked
+    outputs = set()
+    for text in _doc_texts().values():
+        for line in re.findall(r"^\$? ?(pipec (?:run|tune|compile|viz|simulate) .*)$", text, re.MULTILINE):
+            outputs |= set(re.findall(r"(?:-o|--save|--report|--trace|--checkpoint) ([\w.-]+)", line))
+    assert {"ckpt", "weights.pt", "best.pipe", "run.json"} <= outputs
+    result = subprocess.run(["git", "check-ignore", "--no-index", *sorted(outputs)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=30)  # fmt: skip
+    assert set(result.stdout.split()) == outputs, f"not ignored: {sorted(outputs - set(result.stdout.split()))}"

@@ -152,3 +152,36 @@ def test_what_the_documented_commands_write_is_ignored_by_git() -> None:
     result = subprocess.run(["git", "check-ignore", "--no-index", *sorted(outputs)], cwd=ROOT, capture_output=True,
                             text=True, timeout=30)  # fmt: skip
     assert set(result.stdout.split()) == outputs, f"not ignored: {sorted(outputs - set(result.stdout.split()))}"
+
+
+def test_simulate_compares_schedules_side_by_side_in_units_that_compare_across_v() -> None:
+    code, out, _ = run_main(["simulate", "1f1b", "zb_h1", "zbv", "-P", "4", "-M", "8", "--activation-bytes", "1048576"])
+    assert code == 0, out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[2:5]}
+    assert rows["1f1b"][1:5] == ["1", "33", "27.3%", "4"] and rows["1f1b"][5:] == ["4.0", "MiB"]
+    assert rows["zbv"][1:5] == ["2", "25.5", "5.9%", "4"]  # = pipec simulate zbv ... --per-rank-share
+    _, alone, _ = run_main(["simulate", "zbv", "-P", "4", "-M", "8", "--per-rank-share"])
+    assert "makespan 25.5 " in alone
+    code, out, _ = run_main(["simulate", "1f1b", "zbv", "-P", "4", "-M", "8", "-V", "2"])
+    assert code == 2 and "1f1b: 1F1B runs one stage per rank" in out and out.count("\n") == 6
+
+
+def test_show_fits_a_width_and_viz_refuses_a_picture_format_it_does_not_write(tmp_path: Path) -> None:
+    code, out, _ = run_main(["show", "zbv", "-P", "8", "-M", "32", "-V", "2", "--width", "100"])
+    rows = out.splitlines()[1:9]
+    assert code == 0 and all(len(row) <= 100 for row in rows) and max(map(len, rows)) > 80
+    code, _, err = run_main(["viz", "1f1b", "-P", "2", "-M", "2", "-o", str(tmp_path / "x.png")])
+    assert code == 2 and "pipec viz draws SVG; name it" in err and not (tmp_path / "x.png").exists()
+
+
+def test_written_outputs_are_announced(tmp_path: Path) -> None:
+    argv = ["viz", "zbv", "-P", "4", "-M", "8", "-V", "2", "-o", "z.svg", "--trace", "z.json"]
+    code, out, _ = run_main(argv, tmp_path)
+    assert code == 0 and out == "wrote z.svg\nwrote z.json\n"
+    code, out, _ = run_main(["compile", "1f1b", "-P", "2", "-M", "2", "-o", "s.txt"], tmp_path)
+    assert code == 0 and out == "wrote s.txt\n" and (tmp_path / "s.txt").read_text().startswith("rank 0:")
+
+
+def test_a_float_rounding_zero_prints_as_0() -> None:
+    code, out, _ = run_main(["simulate", "1f1b", "-P", "4", "-M", "8", "--cost", "F=0.3,B=0.7,W=0.1"])
+    assert code == 0 and "e-1" not in out and out.splitlines()[-1].split()[4] == "0"

@@ -117,7 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except SystemExit as e:  # argparse has printed the usage error (2), or --help/--version (0)
             return e.code if isinstance(e.code, int) else EXIT_USAGE
         module = command_module(args.command)
-        inputs = [getattr(args, name, None) for name in INPUT_FLAGS]
+        given = [getattr(args, name, None) for name in INPUT_FLAGS]  # `pipec simulate A B C`: a list
+        inputs = [path for value in given for path in (value if isinstance(value, list) else [value])]
         if hasattr(module, "input_files"):  # files only the command knows it reads (run: the --model module's)
             inputs += module.input_files(args)
         check_outputs({flag: getattr(args, name, None) for name, flag in OUTPUT_FLAGS}, input_paths(*inputs))

@@ -144,7 +144,8 @@ def given_costs(spec: str | None, complete: bool = False) -> Costs:
         )
     if costs.given & {"F", "B", "I", "W"}:  # some compute given, the rest assumed: say what was assumed
         filled = ", ".join(f"{k}={getattr(costs, k) if k == 'I' else getattr(DEFAULT_COSTS, k):g}" for k in missing)
-        say_error(f"note: --cost gives no {' or '.join(missing)}; using {filled} (give F and two of B, I, W)")
+        named = ", ".join(missing[:-1]) + " or " + missing[-1] if len(missing) > 1 else missing[0]
+        say_error(f"note: --cost gives no {named}; using {filled} (give F and two of B, I, W)")
     return costs
 
 
@@ -233,8 +234,9 @@ def params(args: argparse.Namespace) -> dict[str, int]:
     return params
 
 
-def write(text: str, output: str | None) -> None:
-    """Print to standard output, or write the file atomically (pipec.outputs)."""
+def write(text: str, output: str | None, announce: bool = True) -> None:
+    """Print to standard output, or write the file atomically (pipec.outputs) and, with ``announce``, say so on
+    standard output (`wrote zbv.svg`: the command would otherwise end without a word; not for /dev/stdout)."""
     if output is None:
         if sys.stdout is None:
             raise PipecInputError("standard output is closed; give -o FILE")
@@ -248,6 +250,8 @@ def write(text: str, output: str | None) -> None:
             raise PipecInputError(f"cannot write to standard output: {e.strerror or e}") from None
         return
     write_text(output, text)
+    if announce and os.path.isfile(output) and sys.stdout is not None:
+        sys.stdout.write(f"wrote {output}\n")
 
 
 def say_error(text: str) -> None:

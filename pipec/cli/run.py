@@ -105,6 +105,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"a p2p wait gives up after this (30; {TIMEOUT_MIN_S:g} to {TIMEOUT_MAX_S:g})",
     )
     parser.add_argument(
+        "--log-every",
+        type=positive,
+        default=1,
+        metavar="K",
+        help="print a step line (loss, step time, elapsed time and ETA) every K steps, and for the first and last (1)",
+    )
+    parser.add_argument(
         "--allow-nonfinite",
         action="store_true",
         help="train on when a loss or gradient is NaN or inf (default: stop the run, exit 3)",
@@ -157,6 +164,7 @@ def _run(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
         dtype=args.dtype,
+        log_every=args.log_every,
         job=os.environ.get("TORCHELASTIC_RUN_ID") if torchrun else None,
     )
     start(program, options, args.backend)

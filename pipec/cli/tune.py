@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     text = schedule_text(result, args.cost, args.output or "best.pipe")
     recheck(text, result)  # the file as a user will read it must verify and match before it is written
     if args.output is not None:
-        write(text, args.output)
+        write(text, args.output, announce=False)  # summary_text says it, after the table
     if args.format == "json":
         write(json.dumps(candidates_json(result, text), indent=2) + "\n", None)
     else:

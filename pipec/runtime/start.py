@@ -25,6 +25,12 @@ def start(program: Program, options: Options, backend: str | None = None) -> Non
     # bad --model, batches, partition or checkpoint: exit 2 here, before any process starts (under torchrun,
     # before this worker joins the process group: every worker checks the same thing and stops the same way)
     options = validate(program, options)
+    if options.resume and options.steps is not None and options.resume_step >= options.steps:
+        # nothing to train: say so now rather than start P x D workers to find it out (and print a table of zeros)
+        if os.environ.get("RANK", "0") == "0":
+            done = f"{options.resume} has trained {options.resume_step} of --steps {options.steps}"
+            print(f"no step left to train: {done}")
+        return
     if torchrun:
         launch.join_torchrun(run_worker, (program, options), timeout_s=options.timeout_s, backend=backend)
         return

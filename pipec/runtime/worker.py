@@ -58,6 +58,7 @@ class Options:
     resume_step: int = 0  # the steps it holds: training continues at this step index
     job: str | None = None  # torchrun's run id (TORCHELASTIC_RUN_ID), recorded in manifests; None otherwise
     dtype: str = "fp32"  # --dtype: fp32, or bf16/fp16 (autocast, boundary tensors in that dtype; docs/runtime.md)
+    log_every: int = 1  # --log-every K: a step line every K steps (and for the first and last)
 
 
 @dataclass
@@ -512,6 +513,7 @@ def train(program: Program, options: Options, say=print) -> dict:
     writer = _CheckpointWriter(runner, options, say if talk else None) if options.checkpoint else None
     runner.step_index = start - 1
     records = []
+    began = time.perf_counter()
     for k in range(start, steps):
         upcoming = work.batches[(k + 1) % len(work.batches)] if k + 1 < steps else None
         stats = runner.step(work.batches[k % len(work.batches)], upcoming)
@@ -529,8 +531,10 @@ def train(program: Program, options: Options, say=print) -> dict:
             _stop_nonfinite(k, rank, stats.nonfinite, runner.layout)
         step_s, loss = float(summary[:world].max()), float(summary[world]) / options.dp
         records.append((step_s, loss, stats))
-        if talk:
-            say(f"step {k:>3}  loss {loss:.6f}  {step_s * 1e3:8.2f} ms")
+        if talk and (k in (start, steps - 1) or (k + 1 - start) % options.log_every == 0):
+            elapsed = time.perf_counter() - began
+            eta = elapsed / (k + 1 - start) * (steps - 1 - k)
+            say(f"step {k:>3}  loss {loss:.6f}  {step_s * 1e3:8.2f} ms  elapsed {elapsed:.1f} s, eta {eta:.1f} s")
         every = options.checkpoint_every
         if writer is not None and (k + 1 == steps or (every and (k + 1) % every == 0)):
             writer.write(k + 1)
@@ -865,6 +869,8 @@ def _write_outputs(report: dict, events: list, weights, options: Options, say) -
         try:
             write_with(path, _tracked(writer))
             written.append(path)
+            if say is not None:
+                say(f"wrote {path}")
         except PipecError as e:
             failed.append(e.message)
         except Exception as e:  # torch.save of an object it cannot pickle, say
@@ -1065,7 +1071,7 @@ def _plan_checkpoints(program: Program, options: Options, work: workload.Workloa
             raise PipecInputError(
                 f"{where}: {os.path.basename(found.path)} has trained {found.step} steps, past --steps {steps}"
             )
-        options = dataclasses.replace(options, resume=found.path, resume_step=found.step)
+        options = dataclasses.replace(options, resume=found.path, resume_step=found.step, steps=steps)
     if options.checkpoint:
         for flag, path in (("--save", options.save), ("--report", options.report), ("--trace", options.trace)):
             if path and _same_path(path, options.checkpoint):  # the directory is made next: caught only here

@@ -91,7 +91,7 @@ class SimResult:
     @property
     def idle(self) -> tuple[float, ...]:
         """Time each rank does no compute within the step (waiting for p2p batches included)."""
-        return tuple(self.makespan - b for b in self.busy)
+        return tuple(_clean(self.makespan - b, self.makespan) for b in self.busy)
 
     @property
     def bubble_fraction(self) -> float:
@@ -112,7 +112,7 @@ class SimResult:
     def span_idle(self) -> tuple[float, ...]:
         """Idle time inside each rank's own span (its first compute to its last op): the bubble a rank would
         still see if steps overlapped (the Zero Bubble paper's post-validation removes the step boundary)."""
-        return tuple(f - s - b for f, s, b in zip(self.finish, self.start, self.busy, strict=True))
+        return tuple(_clean(f - s - b, f) for f, s, b in zip(self.finish, self.start, self.busy, strict=True))
 
     def to_json(self) -> dict:
         p = self.program
@@ -851,6 +851,11 @@ def _peaks(program: Program, costs: Costs, input_fraction: float | None) -> tupl
         if len(sizes) != program.num_stages:
             raise PipecInputError(length_mismatch("activation", len(sizes), program.num_stages))
     return peak_activations(program, fraction, sizes)
+
+
+def _clean(difference: float, scale: float) -> float:
+    """A difference of sums of float durations, with the rounding error that makes a zero -8.9e-16 set to 0."""
+    return 0.0 if abs(difference) <= 1e-9 * max(1.0, abs(scale)) else difference
 
 
 def _ordinal(k: int) -> str:

@@ -185,3 +185,43 @@ def test_written_outputs_are_announced(tmp_path: Path) -> None:
 def test_a_float_rounding_zero_prints_as_0() -> None:
     code, out, _ = run_main(["simulate", "1f1b", "-P", "4", "-M", "8", "--cost", "F=0.3,B=0.7,W=0.1"])
     assert code == 0 and "e-1" not in out and out.splitlines()[-1].split()[4] == "0"
+
+
+def _run(argv: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    from conftest import on_gloo
+
+    command = on_gloo([sys.executable, "-m", "pipec", "run", *argv])
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_run_logs_every_k_steps_with_eta_says_what_it_wrote_and_a_finished_resume_starts_nothing(
+    tmp_path: Path,
+) -> None:
+    common = ["1f1b", "-P", "1", "-M", "2", "--model", "examples.workload:mlp", "--steps", "5", "--checkpoint", "ck"]
+    done = _run([*common, "--log-every", "2", "--report", "r.json"], tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    steps = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in steps] == ["0", "1", "3", "4"]  # every 2nd, the first and the last
+    assert all(" elapsed " in line and line.endswith(" s") and ", eta " in line for line in steps)
+    assert steps[-1].endswith("eta 0.0 s") and "wrote r.json" in done.stdout
+    again = _run([*common, "--resume", "ck"], tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == "no step left to train: ck/step-00000005 has trained 5 of --steps 5\n"  # no workers
+
+
+def test_torchrun_does_not_retry_bad_input_at_full_cost(tmp_path: Path) -> None:
+    """torchrun restarts on any failure; a worker's input error is the same in every attempt, so the restarts exit
+    at once, saying so, and each attempt says it once (not once per worker)."""
+    import shutil
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    assert torchrun is not None
+    command = [torchrun, "--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "-m", "pipec.run", "1f1b",
+               "-P", "2", "-M", "4", "--model", "examples.workload:nope", "--backend", "gloo"]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0
+    said = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert said[0] == "error: --model examples.workload:nope: examples.workload has no function nope", said
+    assert 1 <= len(said) <= 3 and all(line.startswith("error: not retried (torchrun restart ") for line in said[1:])

@@ -17,13 +17,16 @@ a NaN or inf, an output that could not be written), 130/143 interrupted by SIGIN
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import math
 import os
 import re
 import sys
+import tempfile
 
-from pipec.cli.common import EXIT_INVALID, EXIT_OK, params, positive, schedule_args
-from pipec.errors import PipecInputError
+from pipec.cli.common import EXIT_INVALID, EXIT_OK, EXIT_USAGE, params, positive, say_error, schedule_args
+from pipec.errors import PipecError, PipecInputError
 from pipec.runtime.workload import SEED_MAX
 
 HELP = "train a model with the schedule on torch.distributed"
@@ -126,10 +129,36 @@ def input_files(args: argparse.Namespace) -> list[str | None]:
 
 
 def run(args: argparse.Namespace) -> int:
+    refused = _refusal_file() if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
+    if refused is not None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and os.path.exists(refused):
+        # torchrun restarts on any failure, but bad input fails the same way every time: say so once, fast
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            with open(refused, encoding="utf-8") as f:
+                restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+                say_error(f"error: not retried (torchrun restart {restart}; the input is as refused): {f.read()}")
+        return EXIT_USAGE
     from pipec.runtime import launch
 
-    with launch.interruptible():  # SIGINT/SIGTERM: stop the workers, say where they were, exit 130/143
-        return _run(args)
+    try:
+        with launch.interruptible():  # SIGINT/SIGTERM: stop the workers, say where they were, exit 130/143
+            return _run(args)
+    except PipecError as e:
+        if refused is None or e.exit_code != EXIT_USAGE:
+            raise
+        with contextlib.suppress(OSError):  # only a shortcut for the restarts: they check again without it
+            with open(refused, "w", encoding="utf-8") as f:
+                f.write(e.message.splitlines()[0])
+        if os.environ.get("LOCAL_RANK", "0") != "0":  # every worker checks the same: one message a node
+            return EXIT_USAGE
+        raise
+
+
+def _refusal_file() -> str:
+    """Where a torchrun worker leaves the input error it exited with, for the workers of torchrun's next attempt:
+    one file per node's agent (the workers' parent, the same across restarts), job id and command line."""
+    key = "\0".join([os.environ.get("TORCHELASTIC_RUN_ID", ""), str(os.getppid()), os.getcwd(), *sys.argv])
+    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), f"pipec-refused-{digest}.txt")
 
 
 def _run(args: argparse.Namespace) -> int:

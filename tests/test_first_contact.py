@@ -207,7 +207,7 @@ def test_run_logs_every_k_steps_with_eta_says_what_it_wrote_and_a_finished_resum
     assert steps[-1].endswith("eta 0.0 s") and "wrote r.json" in done.stdout
     again = _run([*common, "--resume", "ck"], tmp_path)
     assert again.returncode == 0, again.stderr
-    assert again.stdout == "no step left to train: ck/step-00000005 has trained 5 of --steps 5\n"  # no workers
+    assert again.stdout.splitlines()[1:] == ["no step left to train: ck/step-00000005 has trained 5 of --steps 5"]
 
 
 def test_torchrun_does_not_retry_bad_input_at_full_cost(tmp_path: Path) -> None:
@@ -225,3 +225,72 @@ def test_torchrun_does_not_retry_bad_input_at_full_cost(tmp_path: Path) -> None:
     said = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert said[0] == "error: --model examples.workload:nope: examples.workload has no function nope", said
     assert 1 <= len(said) <= 3 and all(line.startswith("error: not retried (torchrun restart ") for line in said[1:])
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children = task / "children"
+        if children.exists():
+            found += [int(c) for c in children.read_text().split()]
+    return found
+
+
+def test_a_stopped_rank_fails_the_run_after_the_timeout_not_a_minute_later(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    from conftest import on_gloo
+
+    argv = ["1f1b", "-P", "2", "-M", "2", "--model", "examples.workload:mlp", "--steps", "100000", "--timeout", "2"]
+    command = on_gloo([sys.executable, "-m", "pipec", "run", *argv])
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("step "):  # the workers are training
+                break
+        workers = [c for c in _children(proc.pid) if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        took = time.monotonic() - stopped_at
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 3, err
+    assert "was stopped (SIGSTOP or a debugger) for 2 s (--timeout); killed" in err
+    assert took < 20, took  # --timeout 2 and the teardown; it was about 2 x timeout + 10 s
+
+
+def test_a_model_whose_import_hangs_is_said_to_be_hanging(tmp_path: Path) -> None:
+    import time
+
+    (tmp_path / "hangs.py").write_text("import time\ntime.sleep(600)\n")
+    command = [sys.executable, "-m", "pipec", "run", "1f1b", "-P", "2", "-M", "2", "--model", "hangs:build"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    began = time.monotonic()
+    try:
+        assert proc.stdout is not None
+        first, line = proc.stdout.readline(), proc.stdout.readline()
+        took = time.monotonic() - began
+    finally:
+        proc.kill()
+        proc.wait()
+    assert first.startswith("pipec run: compiling and verifying 1f1b, then checking --model hangs:build"), first
+    assert line.startswith("pipec run: still importing and checking --model hangs:build after 10 s"), line
+    assert took < 60
+
+
+def test_run_says_what_it_is_doing_before_it_imports_torch(tmp_path: Path) -> None:
+    """The first line comes before torch is imported (seconds on a busy machine): blocked torch, it is there."""
+    blocker = tmp_path / "blocked" / "torch"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(blocker.parent), str(ROOT)]))
+    command = [sys.executable, "-m", "pipec", "run", "1f1b", "-P", "2", "-M", "4", "--model", "examples.workload:mlp"]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert result.stdout.startswith("pipec run: compiling and verifying 1f1b, then checking --model examples.workload")

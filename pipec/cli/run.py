@@ -162,12 +162,19 @@ def _refusal_file() -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pipec.compiler import compile_program
-    from pipec.verify import verify
-
     if args.checkpoint_every is not None and not args.checkpoint:
         raise PipecInputError("--checkpoint-every needs --checkpoint DIR (where to write them)")
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if not torchrun or os.environ["RANK"] == "0":  # the first line within a second: what the wait is for
+        shown = "the schedule text" if "\n" in args.schedule else args.schedule
+        print(
+            f"pipec run: compiling and verifying {shown}, then checking --model {args.model} (importing torch, "
+            "one micro-batch without gradients) before starting the workers",
+            flush=True,
+        )
+    from pipec.compiler import compile_program
+    from pipec.verify import verify
+
     program = compile_program(args.schedule, args.ranks, args.microbatches, args.chunks, params(args))
     # The runtime issues p2p ops in the order the nccl model assumes; refuse what that model cannot prove.
     report = verify(program, p2p="nccl")

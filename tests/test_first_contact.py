@@ -4,6 +4,7 @@ name the flag that fixes them. Each test runs the command as the user typed it."
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,12 @@ def test_run_without_torch_names_the_extra_not_a_bug(tmp_path: Path) -> None:
     assert result.returncode == 2, result.stderr
     assert "'.[torch]'" in result.stderr and "internal error" not in result.stderr
     assert result.stderr.startswith("error: pipec run needs PyTorch")
+
+
+def test_readme_names_the_torch_extra_and_the_suite_time() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "'.[torch]'" in readme
+    assert re.search(r"The whole suite \(about [0-9,]+ tests\) took [0-9]+ minutes", readme.replace("\n", " "))
 
 
 def test_typos_get_a_suggestion() -> None:
@@ -112,7 +119,6 @@ def test_peaks_in_stage_units_say_so_where_v_is_over_1() -> None:
 def test_the_gallerys_nccl_figures_are_what_pipec_simulate_prints() -> None:
     """docs/schedules.md, "Where nccl still differs": each line's makespans are `pipec simulate --cost`'s (which
     places the send/recv for the costs), nccl against ideal; zb_h1 at F=2,I=2,W=1 is not among them (49 both)."""
-    import re
 
     text = (ROOT / "docs" / "schedules.md").read_text()
     lines = re.findall(r"^- `([^`]+)` \*\*(\w+)\*\*: ([\d.]+) against ([\d.]+);", text, re.MULTILINE)
@@ -131,7 +137,6 @@ def _doc_texts() -> dict[str, str]:
 
 
 def test_every_file_a_document_shows_whole_is_in_the_repository() -> None:
-    import re
 
     for name, text in _doc_texts().items():
         for path in re.findall(r"^```pipe .*\bfile=(\S+\.pipe)\b", text, re.MULTILINE):  # schedules, not streams
@@ -139,7 +144,6 @@ def test_every_file_a_document_shows_whole_is_in_the_repository() -> None:
 
 
 def test_what_the_documented_commands_write_is_ignored_by_git() -> None:
-    import re
     import shutil
 
     if shutil.which("git") is None or not (ROOT / ".git").exists():

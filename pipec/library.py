@@ -44,10 +44,27 @@ def resolve(schedule: str) -> tuple[str, str, str]:
         return "pipe", bundled_source(schedule), f"{schedule}.pipe"
     if path.exists():
         raise PipecInputError(f"{schedule}: unknown file type; expected .pipe, .csv (torch), .txt or .json")
+    guess = closest_name(schedule, bundled_names())
     raise PipecInputError(
-        f"unknown schedule {schedule!r}; bundled schedules: {', '.join(bundled_names())} "
+        f"unknown schedule {schedule!r}{f' (did you mean {guess}?)' if guess else ''}; bundled schedules: "
+        f"{', '.join(bundled_names())} "
         "(or give a path to a .pipe, torch .csv, .txt or .json file)"
     )
+
+
+def closest_name(typed: str, names: list[str]) -> str | None:
+    """The name `typed` most likely meant: the same but for case and - for _ (`1F1B`, `interleaved-1f1b`), else
+    the closest by difflib's ratio (`zbh1`), else None."""
+    import difflib
+
+    def folded(name: str) -> str:
+        return name.lower().replace("-", "_")
+
+    by_fold = {folded(n): n for n in names}
+    if folded(typed) in by_fold:
+        return by_fold[folded(typed)]
+    close = difflib.get_close_matches(folded(typed), list(by_fold), n=1, cutoff=0.6)
+    return by_fold[close[0]] if close else None
 
 
 def read_text(filename: str, limit: int) -> str:

@@ -90,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     for costs in OTHER_COSTS:
         parsed = parse_costs(costs)
         for program in programs:
-            ideal = simulate(program, parsed, p2p="ideal")
-            nccl = simulate(program, parsed, record=True)
+            # send/recv placed for these costs, as `pipec simulate --cost` places them
+            placed = pipec.compile(program.name, program.ranks, program.microbatches, program.chunks, costs=parsed)
+            ideal = simulate(placed, parsed, p2p="ideal")
+            nccl = simulate(placed, parsed, record=True)
             if nccl.makespan > ideal.makespan + 1e-9:
                 why.append(_why(costs, program.name, nccl, ideal))
     text += WHY.format(others=", ".join(f"`{c}`" for c in OTHER_COSTS)) + "\n".join(why or ["(none)"]) + "\n\n"
@@ -110,13 +112,15 @@ OTHER_COSTS = (
 
 WHY = """## Where nccl still differs
 
-`insert_p2p_ops` times its placement with the default costs. Under other costs the same streams can fall short of
-the compute order: a compute op waits for the *whole batch* holding its receive when the pass grouped it with a
-receive that now arrives later (*batch*), a batch waits for the rank's previous one (*fifo*: one NCCL stream), or,
-with a message time, a transfer starts only once both batches run, so a receive posted just before its consumer
-does not hide the message time as the `ideal` model does (*post*). Each line: the costs, the schedule (P, M, V as
-above), the nccl makespan against the ideal one, and the waits on the critical path (walking back from the op that
-ends last), the first of them quoted. Cost sets tried: {others}.
+`pipec simulate --cost` (and compile, check, show, viz with `--cost`) places the send/recv for the costs given:
+the faster under them of the placement timed with those costs and the one timed with the default costs (the lines
+below are its figures: `pipec simulate SCHEDULE -P 4 -M 8 [-V 2] --cost COSTS --why`). Even so the streams can
+fall short of the compute order: a compute op waits for the *whole batch* holding its receive when the pass grouped
+it with a receive that arrives later (*batch*), a batch waits for the rank's previous one (*fifo*: one NCCL
+stream), or, with a message time, a transfer starts only once both batches run, so a receive posted just before
+its consumer does not hide the message time as the `ideal` model does (*post*). Each line: the costs, the schedule
+(P, M, V as above), the nccl makespan against the ideal one, and the waits on the critical path (walking back from
+the op that ends last), the first of them quoted. Cost sets tried: {others}.
 
 """
 

@@ -33,12 +33,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pipec.verify import verify
+    from pipec.verify.memory import stage_units_note
 
-    program, _ = compile_schedule(args, placement_costs(args))
-    report = verify(program, **verify_options(args, program))
+    program, costs = compile_schedule(args, placement_costs(args))
+    options = verify_options(args, program)
+    if costs is not None and args.stage_sizes is None and costs.activation is not None:
+        # a cost file's memory (as pipec simulate reads it): `costs` are in stage units, --per-rank-share applied
+        sizes = costs.activation
+        options["stage_sizes"] = sizes if isinstance(sizes, tuple) else (sizes,) * program.num_stages
+        if "input_fraction" in costs.given:
+            options["input_fraction"] = costs.input_fraction
+    report = verify(program, **options)
     p = program
     print(f"{p.name}: P={p.ranks} M={p.microbatches} V={p.chunks}, {p.num_stages} stages, p2p model {args.p2p}")
     print(report.render())
+    if p.chunks > 1 and not args.per_rank_share:
+        print(stage_units_note(p.chunks, max(report.peak_memory, default=0.0)))
     return EXIT_OK if report.ok else EXIT_INVALID
 
 

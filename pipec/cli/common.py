@@ -122,9 +122,31 @@ def placement_costs(args: argparse.Namespace):
     """The Costs of --cost, or None for the default placement (without loading the cost model)."""
     if getattr(args, "cost", None) is None:
         return None
-    from pipec.sim.costs import parse_costs
+    return given_costs(args.cost)
 
-    return parse_costs(args.cost)
+
+def given_costs(spec: str | None, complete: bool = False) -> Costs:
+    """The Costs of a --cost argument. Defaults fill what it leaves out, and that is said (on standard error):
+    `--cost F=1.5,B=3` silently took W=1. With ``complete`` (pipec tune, whose search depends on the backward's
+    split) a --cost without two of B, I, W is refused instead."""
+    from pipec.sim.costs import DEFAULT_COSTS, parse_costs
+
+    costs = parse_costs(spec)
+    missing = costs.defaulted_compute
+    if spec is None or not missing:
+        return costs
+    split = [k for k in missing if k != "F"]
+    if complete and split:
+        raise PipecInputError(
+            f"--cost {spec[:60]}: give the backward's split, B and W or I and W (it has "
+            f"{' and '.join(k for k in ('B', 'I', 'W') if k in costs.given) or 'none of B, I, W'}); the schedules "
+            "tune finds depend on it"
+        )
+    if costs.given & {"F", "B", "I", "W"}:  # some compute given, the rest assumed: say what was assumed
+        filled = ", ".join(f"{k}={getattr(costs, k) if k == 'I' else getattr(DEFAULT_COSTS, k):g}" for k in missing)
+        named = ", ".join(missing[:-1]) + " or " + missing[-1] if len(missing) > 1 else missing[0]
+        say_error(f"note: --cost gives no {named}; using {filled} (give F and two of B, I, W)")
+    return costs
 
 
 def share_args(parser: argparse.ArgumentParser) -> None:
@@ -212,8 +234,9 @@ def params(args: argparse.Namespace) -> dict[str, int]:
     return params
 
 
-def write(text: str, output: str | None) -> None:
-    """Print to standard output, or write the file atomically (pipec.outputs)."""
+def write(text: str, output: str | None, announce: bool = True) -> None:
+    """Print to standard output, or write the file atomically (pipec.outputs) and, with ``announce``, say so on
+    standard output (`wrote zbv.svg`: the command would otherwise end without a word; not for /dev/stdout)."""
     if output is None:
         if sys.stdout is None:
             raise PipecInputError("standard output is closed; give -o FILE")
@@ -227,6 +250,8 @@ def write(text: str, output: str | None) -> None:
             raise PipecInputError(f"cannot write to standard output: {e.strerror or e}") from None
         return
     write_text(output, text)
+    if announce and os.path.isfile(output) and sys.stdout is not None:
+        sys.stdout.write(f"wrote {output}\n")
 
 
 def say_error(text: str) -> None:

@@ -7,7 +7,10 @@ import argparse
 from pipec.cli.common import EXIT_OK
 
 HELP = "the bundled schedules with their parameters"
-EXAMPLES = ""
+EXAMPLES = """examples:
+  pipec list
+exit codes: 0 ok, 2 bad input or usage
+"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

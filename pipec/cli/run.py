@@ -17,16 +17,24 @@ a NaN or inf, an output that could not be written), 130/143 interrupted by SIGIN
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import math
 import os
 import re
 import sys
+import tempfile
 
-from pipec.cli.common import EXIT_INVALID, EXIT_OK, params, positive, schedule_args
-from pipec.errors import PipecInputError
+from pipec.cli.common import EXIT_INVALID, EXIT_OK, EXIT_USAGE, params, positive, say_error, schedule_args
+from pipec.errors import PipecError, PipecInputError
 from pipec.runtime.workload import SEED_MAX
 
 HELP = "train a model with the schedule on torch.distributed"
+DESCRIPTION = (
+    "Compile and verify the schedule, then train the --model workload with it on torch.distributed: P x D local "
+    "worker processes, or one worker of each process torchrun starts. Bad input is refused before any worker "
+    "starts."
+)
 EXAMPLES = """examples:
   pipec run 1f1b -P 4 -M 8 --model examples.workload:mlp --steps 3
   pipec run zbv -P 2 -M 8 -V 2 --dp 2 --model examples.workload:mlp --save weights.pt --report run.json
@@ -100,6 +108,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"a p2p wait gives up after this (30; {TIMEOUT_MIN_S:g} to {TIMEOUT_MAX_S:g})",
     )
     parser.add_argument(
+        "--log-every",
+        type=positive,
+        default=1,
+        metavar="K",
+        help="print a step line (loss, step time, elapsed time and ETA) every K steps, and for the first and last (1)",
+    )
+    parser.add_argument(
         "--allow-nonfinite",
         action="store_true",
         help="train on when a loss or gradient is NaN or inf (default: stop the run, exit 3)",
@@ -114,19 +129,52 @@ def input_files(args: argparse.Namespace) -> list[str | None]:
 
 
 def run(args: argparse.Namespace) -> int:
+    refused = _refusal_file() if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
+    if refused is not None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and os.path.exists(refused):
+        # torchrun restarts on any failure, but bad input fails the same way every time: say so once, fast
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            with open(refused, encoding="utf-8") as f:
+                restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+                say_error(f"error: not retried (torchrun restart {restart}; the input is as refused): {f.read()}")
+        return EXIT_USAGE
     from pipec.runtime import launch
 
-    with launch.interruptible():  # SIGINT/SIGTERM: stop the workers, say where they were, exit 130/143
-        return _run(args)
+    try:
+        with launch.interruptible():  # SIGINT/SIGTERM: stop the workers, say where they were, exit 130/143
+            return _run(args)
+    except PipecError as e:
+        if refused is None or e.exit_code != EXIT_USAGE:
+            raise
+        with contextlib.suppress(OSError):  # only a shortcut for the restarts: they check again without it
+            with open(refused, "w", encoding="utf-8") as f:
+                f.write(e.message.splitlines()[0])
+        if os.environ.get("LOCAL_RANK", "0") != "0":  # every worker checks the same: one message a node
+            return EXIT_USAGE
+        raise
+
+
+def _refusal_file() -> str:
+    """Where a torchrun worker leaves the input error it exited with, for the workers of torchrun's next attempt:
+    one file per node's agent (the workers' parent, the same across restarts), job id and command line."""
+    key = "\0".join([os.environ.get("TORCHELASTIC_RUN_ID", ""), str(os.getppid()), os.getcwd(), *sys.argv])
+    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), f"pipec-refused-{digest}.txt")
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pipec.compiler import compile_program
-    from pipec.verify import verify
-
     if args.checkpoint_every is not None and not args.checkpoint:
         raise PipecInputError("--checkpoint-every needs --checkpoint DIR (where to write them)")
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if not torchrun or os.environ["RANK"] == "0":  # the first line within a second: what the wait is for
+        shown = "the schedule text" if "\n" in args.schedule else args.schedule
+        print(
+            f"pipec run: compiling and verifying {shown}, then checking --model {args.model} (importing torch, "
+            "one micro-batch without gradients) before starting the workers",
+            flush=True,
+        )
+    from pipec.compiler import compile_program
+    from pipec.verify import verify
+
     program = compile_program(args.schedule, args.ranks, args.microbatches, args.chunks, params(args))
     # The runtime issues p2p ops in the order the nccl model assumes; refuse what that model cannot prove.
     report = verify(program, p2p="nccl")
@@ -152,6 +200,7 @@ def _run(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
         dtype=args.dtype,
+        log_every=args.log_every,
         job=os.environ.get("TORCHELASTIC_RUN_ID") if torchrun else None,
     )
     start(program, options, args.backend)

@@ -13,6 +13,11 @@ from pipec.cli.common import integer, schedule_args
 from pipec.errors import PipecInputError
 
 HELP = "property-based check of a schedule over many (P, M, V)"
+DESCRIPTION = (
+    "Compile and verify a schedule for many sizes (P, M, V and its named parameters) drawn at random, and check "
+    "that each compiled program is complete, deadlock-free and within its memory bound. The --max-* flags bound "
+    "the sizes drawn and are checked up front, so that a size that would take hours is refused at once."
+)
 EXAMPLES = """examples:
   pipec test my_schedule.pipe                       # 100 parameter sets drawn from what the schedule accepts
   pipec test zbv --max-ranks 16 --examples 500

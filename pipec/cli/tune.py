@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from pipec.cli.common import EXIT_INVALID, EXIT_OK, amount, integer, positive, say_error, write
+from pipec.cli.common import EXIT_INVALID, EXIT_OK, amount, given_costs, integer, positive, say_error, write
 from pipec.errors import ScheduleError
 
 HELP = "search for the fastest verified schedule under a memory limit"
@@ -101,12 +101,12 @@ def input_files(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from pipec.compiler import parse_schedule
     from pipec.limits import check_sizes
-    from pipec.sim.costs import parse_costs, per_rank_share
+    from pipec.sim.costs import per_rank_share
     from pipec.tune import Setting, library_sources, tune
     from pipec.tune.output import candidates_json, recheck, schedule_text, summary_text, table_text
 
     check_sizes(args.ranks, args.microbatches, max(args.chunks), "pipec tune")
-    costs = parse_costs(args.cost)
+    costs = given_costs(args.cost, complete=True)
     per_rank_share(costs, args.ranks, 1)  # per-stage lists of another length than P: bad input now, not per candidate
     for path in args.sources:  # a --from file that does not read or parse is bad input (exit 2), not a candidate
         parse_schedule(path)
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     text = schedule_text(result, args.cost, args.output or "best.pipe")
     recheck(text, result)  # the file as a user will read it must verify and match before it is written
     if args.output is not None:
-        write(text, args.output)
+        write(text, args.output, announce=False)  # summary_text says it, after the table
     if args.format == "json":
         write(json.dumps(candidates_json(result, text), indent=2) + "\n", None)
     else:

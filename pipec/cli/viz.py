@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from pipec.cli.common import integer, schedule_args, write
 from pipec.cli.simulate import add_model_arguments, run_simulation
@@ -34,6 +35,13 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.output and not args.trace:
         raise PipecInputError("pipec viz needs -o PICTURE.svg and/or --trace TRACE.json")
+    suffix = os.path.splitext(args.output or "")[1]
+    if suffix and suffix.lower() != ".svg":  # SVG text under a .png name opens as a broken picture
+        stem = args.output[: -len(suffix)]
+        raise PipecInputError(
+            f"-o {args.output}: pipec viz draws SVG; name it {stem}.svg (then e.g. `rsvg-convert {stem}.svg -o "
+            f"{stem}{suffix}` converts it)"
+        )
     if not 200 <= args.width <= MAX_WIDTH:
         raise PipecInputError(f"--width {args.width} must be between 200 and {MAX_WIDTH} pixels")
     result = run_simulation(args, record=True)

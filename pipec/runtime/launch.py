@@ -276,8 +276,10 @@ class _Supervisor:
     def run(self) -> list[Any]:
         world = len(self.procs)
         failed_at: float | None = None
+        frozen: dict[int, float] = {}  # rank -> when it was first seen stopped (SIGSTOP, a debugger)
         while not all(self._settled(r) for r in range(world)):
             self._receive(0.2)
+            self._kill_frozen(frozen)
             if self.errors and failed_at is None:
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > self.timeout_s + 10:
@@ -291,6 +293,21 @@ class _Supervisor:
             failed = len(lines)
             raise RunError(f"the run failed on {failed} of {world} ranks:\n  " + "\n  ".join(lines))
         return [self.done[r] for r in range(world)]
+
+    def _kill_frozen(self, frozen: dict[int, float]) -> None:
+        """A stopped process (SIGSTOP, a debugger) runs no guard and never times out: its peers would wait
+        --timeout, then the parent timeout + 10 s more. Stopped for --timeout: killed, and the run fails now."""
+        now = time.monotonic()
+        for rank, proc in enumerate(self.procs):
+            if self._settled(rank) or not _is_stopped(proc.pid):
+                frozen.pop(rank, None)
+                continue
+            if now - frozen.setdefault(rank, now) >= self.timeout_s:
+                proc.kill()
+                self.errors[rank] = (
+                    f"rank {rank}: the process was stopped (SIGSTOP or a debugger) for {self.timeout_s:g} s "
+                    "(--timeout); killed"
+                )
 
     def stop(self, signum: int) -> str:
         """SIGTERM to every worker still running; their reports of where they were, or what became of them."""
@@ -319,6 +336,15 @@ class _Supervisor:
         # Rank 0 writes the outputs before it reports its result: had it reported, they were written.
         outputs = "rank 0 had written the outputs" if 0 in self.done else "wrote no outputs"
         return f"interrupted by {signal_name(signum)}; stopped every rank, {outputs}:\n  " + "\n  ".join(lines)
+
+
+def _is_stopped(pid: int | None) -> bool:
+    """Whether the process is in the stopped or traced state (Linux /proc; elsewhere never known to be)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
 
 
 def _exit_text(code: int | None) -> str:

@@ -24,3 +24,4 @@ class Options:
     resume_step: int = 0  # the steps it holds: training continues at this step index
     job: str | None = None  # torchrun's run id (TORCHELASTIC_RUN_ID), recorded in manifests; None otherwise
     dtype: str = "fp32"  # --dtype: fp32, or bf16/fp16 (autocast, boundary tensors in that dtype; docs/runtime.md)
+    log_every: int = 1  # --log-every K: a step line every K steps (and for the first and last)

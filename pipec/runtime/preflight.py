@@ -121,7 +121,7 @@ def _plan_checkpoints(program: Program, options: Options, work: workload.Workloa
             raise PipecInputError(
                 f"{where}: {os.path.basename(found.path)} has trained {found.step} steps, past --steps {steps}"
             )
-        options = dataclasses.replace(options, resume=found.path, resume_step=found.step)
+        options = dataclasses.replace(options, resume=found.path, resume_step=found.step, steps=steps)
     if options.checkpoint:
         for flag, path in (("--save", options.save), ("--report", options.report), ("--trace", options.trace)):
             if path and _same_path(path, options.checkpoint):  # the directory is made next: caught only here

@@ -24,7 +24,7 @@ from pipec.runtime.options import Options
 from pipec.runtime.runner import Runner
 from pipec.runtime.status import RankStatus
 from pipec.runtime.trace import trace_text
-from pipec.verify.memory import peak_activations
+from pipec.verify.memory import peak_activations, stage_units_note
 
 REPORT_FORMAT = "pipec-run-report"  # lets `--cost report.json` find the measured costs (pipec.sim.costs)
 
@@ -104,7 +104,7 @@ def summarise(
     if rank == 0:
         if say is not None:
             _say_summary(report, say)
-        _write_outputs(report, [e for g in gathered for e in g[1]], weights, options, status)
+        _write_outputs(report, [e for g in gathered for e in g[1]], weights, options, status, say)
     return {"report": report, "weights": runner.state_dict()}
 
 
@@ -144,9 +144,13 @@ def _say_summary(report: dict, say: Callable[[str], None]) -> None:
             f"{r['interpreter_us_per_instruction']:15.1f}  {r['peak_activations']:16g}  "
             f"{r['peak_activations_predicted']:9g}"
         )
+    if report["chunks"] > 1:
+        say(stage_units_note(report["chunks"], max(r["peak_activations_predicted"] for r in report["ranks"])))
 
 
-def _write_outputs(report: dict, events: list, weights, options: Options, status: RankStatus) -> None:
+def _write_outputs(
+    report: dict, events: list, weights, options: Options, status: RankStatus, say: Callable[[str], None] | None
+) -> None:
     outputs: list[tuple[str, Callable[[BinaryIO], object]]] = []
     if options.report:
         report_bytes = (json.dumps(report, indent=2) + "\n").encode()
@@ -169,6 +173,8 @@ def _write_outputs(report: dict, events: list, weights, options: Options, status
         try:
             write_with(path, status.tracked(writer))
             written.append(path)
+            if say is not None:
+                say(f"wrote {path}")
         except PipecError as e:
             failed.append(e.message)
         except Exception as e:  # torch.save of an object it cannot pickle, say

@@ -12,6 +12,7 @@ date here.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -62,6 +63,7 @@ def train(program: Program, options: Options, say=print, status: RankStatus | No
     writer = CheckpointWriter(runner, options, say if talk else None, status) if options.checkpoint else None
     runner.step_index = start - 1
     records = []
+    began = time.perf_counter()
     for k in range(start, steps):
         upcoming = work.batches[(k + 1) % len(work.batches)] if k + 1 < steps else None
         stats = runner.step(work.batches[k % len(work.batches)], upcoming)
@@ -79,8 +81,10 @@ def train(program: Program, options: Options, say=print, status: RankStatus | No
             _stop_nonfinite(k, rank, stats.nonfinite, runner.layout)
         step_s, loss = float(summary[:world].max()), float(summary[world]) / options.dp
         records.append((step_s, loss, stats))
-        if talk:
-            say(f"step {k:>3}  loss {loss:.6f}  {step_s * 1e3:8.2f} ms")
+        if talk and (k in (start, steps - 1) or (k + 1 - start) % options.log_every == 0):
+            elapsed = time.perf_counter() - began
+            eta = elapsed / (k + 1 - start) * (steps - 1 - k)
+            say(f"step {k:>3}  loss {loss:.6f}  {step_s * 1e3:8.2f} ms  elapsed {elapsed:.1f} s, eta {eta:.1f} s")
         every = options.checkpoint_every
         if writer is not None and (k + 1 == steps or (every and (k + 1) % every == 0)):
             writer.write(k + 1)

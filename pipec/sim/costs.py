@@ -30,7 +30,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from pipec.errors import PipecInputError
 from pipec.ir import Kind
@@ -58,6 +58,19 @@ class Costs:
     scale: tuple[float, ...] | None = None
     activation: Value | None = None  # activations of one micro-batch on a stage (memory units); None: 1
     input_fraction: float = DEFAULT_INPUT_FRACTION
+    # the keys the user gave (parse_costs), so that a command can say which it filled with defaults; not a cost
+    given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+
+    @property
+    def defaulted_compute(self) -> tuple[str, ...]:
+        """The compute costs the user left to the defaults: F when not given, and the backward split (B, I, W)
+        unless two of them were given (the third follows). Empty for costs built in code (no `given`)."""
+        if not self.given:
+            return ()
+        missing = [] if "F" in self.given else ["F"]
+        if len(self.given & {"B", "I", "W"}) < 2:
+            missing += [k for k in ("B", "I", "W") if k not in self.given]
+        return tuple(missing)
 
     @property
     def message_time(self) -> float:
@@ -68,13 +81,13 @@ class Costs:
     def per_stage(self, stages: int) -> dict[Kind, list[float]]:
         """Duration of each compute kind at each stage (lists indexed by stage)."""
         if self.scale is not None and len(self.scale) != stages:
-            raise PipecInputError(f"cost 'scale' has {len(self.scale)} entries, the schedule has {stages} stages")
+            raise PipecInputError(length_mismatch("scale", len(self.scale), stages))
         out = {}
         for name in _COMPUTE:
             value = getattr(self, name)
             if isinstance(value, tuple):
                 if len(value) != stages:
-                    raise PipecInputError(f"cost {name!r} has {len(value)} entries, the schedule has {stages} stages")
+                    raise PipecInputError(length_mismatch(name, len(value), stages))
                 row = [float(v) for v in value]
             else:
                 row = [float(value)] * stages
@@ -98,6 +111,18 @@ class Costs:
 
 
 DEFAULT_COSTS = Costs()
+
+
+def length_mismatch(name: str, entries: int, stages: int) -> str:
+    """The message for a per-stage list of the wrong length. Fewer entries that divide the stages are most often
+    a V=1 measurement (a pipec run report, a profile) given to a V-chunk schedule: name the flag that spreads it."""
+    text = f"cost {name!r} has {entries} entries, the schedule has {stages} stages"
+    if 0 < entries < stages and stages % entries == 0:
+        text += (
+            f"; a list with one entry per rank (per rank share of the model, as a V=1 run report has) is spread "
+            f"over the {stages // entries} chunks of each rank by --per-rank-share"
+        )
+    return text
 
 
 def per_rank_share(costs: Costs, ranks: int, chunks: int) -> Costs:
@@ -212,6 +237,7 @@ def _from_mapping(data: Mapping, where: str) -> Costs:
     if fields.get("input_fraction", 0.0) > 1:  # type: ignore[operator]
         raise PipecInputError(f"{where}: input_fraction must be between 0 and 1")
     _derive_backward(fields, where)
+    fields["given"] = frozenset(data)
     if fields.get("bandwidth", 1.0) == 0:
         raise PipecInputError(f"{where}: bandwidth must be positive")
     if "overlap" in fields:

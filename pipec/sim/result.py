@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from pipec.errors import PipecInputError
 from pipec.ir import Action, Instruction, Program
-from pipec.sim.costs import Costs
+from pipec.sim.costs import Costs, length_mismatch
 from pipec.verify.memory import peak_activations
 
 
@@ -56,7 +56,7 @@ class SimResult:
     @property
     def idle(self) -> tuple[float, ...]:
         """Time each rank does no compute within the step (waiting for p2p batches included)."""
-        return tuple(self.makespan - b for b in self.busy)
+        return tuple(_clean(self.makespan - b, self.makespan) for b in self.busy)
 
     @property
     def bubble_fraction(self) -> float:
@@ -77,7 +77,7 @@ class SimResult:
     def span_idle(self) -> tuple[float, ...]:
         """Idle time inside each rank's own span (its first compute to its last op): the bubble a rank would
         still see if steps overlapped (the Zero Bubble paper's post-validation removes the step boundary)."""
-        return tuple(f - s - b for f, s, b in zip(self.finish, self.start, self.busy, strict=True))
+        return tuple(_clean(f - s - b, f) for f, s, b in zip(self.finish, self.start, self.busy, strict=True))
 
     def to_json(self) -> dict:
         p = self.program
@@ -116,8 +116,10 @@ def peaks_of(program: Program, costs: Costs, input_fraction: float | None) -> tu
     if costs.activation is not None:
         sizes = costs.activation if isinstance(costs.activation, tuple) else (costs.activation,) * program.num_stages
         if len(sizes) != program.num_stages:
-            raise PipecInputError(
-                f"cost 'activation' has {len(sizes)} entries, the schedule has {program.num_stages} stages"
-            )
+            raise PipecInputError(length_mismatch("activation", len(sizes), program.num_stages))
     return peak_activations(program, fraction, sizes)
 
+
+def _clean(difference: float, scale: float) -> float:
+    """A difference of sums of float durations, with the rounding error that makes a zero -8.9e-16 set to 0."""
+    return 0.0 if abs(difference) <= 1e-9 * max(1.0, abs(scale)) else difference

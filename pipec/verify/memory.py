@@ -63,6 +63,15 @@ def share_stage_sizes(stage_sizes: Sequence[float] | None, ranks: int, chunks: i
     return spread_segments(1.0 if stage_sizes is None else stage_sizes, ranks, chunks, "--stage-sizes")
 
 
+def stage_units_note(chunks: int, peak: float) -> str:
+    """The unit of a peak-activation figure in stage units, named where V > 1 makes it differ from the unit
+    `pipec tune` and `--per-rank-share` print (micro-batches of a rank's share of the model: V stages)."""
+    return (
+        f"units: micro-batches of one stage's activations (pipec tune, --per-rank-share: of a rank's V={chunks} "
+        f"stages, so {peak:g} here is {peak / chunks:g} there)"
+    )
+
+
 def memory_profile(
     stream: Iterable[Instruction],
     input_fraction: float = DEFAULT_INPUT_FRACTION,

@@ -8,6 +8,8 @@ import socket
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # as conftest.py does: run as a script too
+
 import pytest
 
 torch = pytest.importorskip("torch")

@@ -17,6 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # as conftest.py does: run as a script too
+
 import pytest
 
 torch = pytest.importorskip("torch")

@@ -180,6 +180,7 @@ def test_a_placement_refuses_the_v_it_cannot_place(tmp_path: Path, capsys: pytes
 def test_pipec_test_checks_a_stream_file_at_its_own_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     good = tmp_path / "good.csv"
     assert main(["compile", "1f1b", "-P", "4", "-M", "8", "--format", "torch-csv", "-o", str(good)]) == 0
+    assert capsys.readouterr().out == f"wrote {good}\n"
     assert main(["test", str(good)]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"{good}: ok at its own size P=4 M=8 V=1 ") and out.count("\n") == 1

@@ -6,8 +6,9 @@
 
 Default mode: for each (P, M) it runs `pipec tune -P P -M M --cost COST --memory-limit factor*P --format json`
 as a subprocess (what a user waits for, start-up included) and prints the wall time, tune's makespan, the best
-library candidate's makespan at the same limit, their ratio and whether the search ran to its end (a local
-optimum) or to the time budget.
+library candidate's makespan at the same limit, their ratio, the solver's lower bound, tune's gap to it and the
+solver's time to the proof (when every V and placement was proved), and whether the search ran to its end (a
+local optimum) or to the time budget.
 
 --grid: P in 2..8, M in {P, 2P, 3P}, limit in {0.5, 1, 1.5, 2} x P, cost mixes F:I:W = 1:1:1, 1:2:1, 1:1:2 and a
 last stage twice as slow (chunks 1,2,4), through pipec.tune.tune in-process with --grid-budget seconds each. It
@@ -70,7 +71,10 @@ def sizes_mode(args: argparse.Namespace) -> None:
     print(
         f"cost {args.cost}, limit {args.limit_factor:g} x P, chunks {args.chunks}, --time-budget {args.time_budget:g}"
     )
-    print(f"{'P':>3} {'M':>4} {'seconds':>8} {'tune':>9} {'library':>9} {'ratio':>6}  best (library best)  complete")
+    print(
+        f"{'P':>3} {'M':>4} {'seconds':>8} {'tune':>9} {'library':>9} {'ratio':>6} {'bound':>9} {'gap':>7} "
+        f"{'proof s':>8}  best (library best)  complete"
+    )
     for ranks, microbatches in args.sizes:
         limit = args.limit_factor * ranks
         elapsed, data = timed(ranks, microbatches, args.cost, limit, args.time_budget, args.chunks)
@@ -79,10 +83,26 @@ def sizes_mode(args: argparse.Namespace) -> None:
         ratio = f"{data['makespan'] / lib_span:.4f}" if lib_span else "-"
         shown = f"{data['name']} V={data['chunks']}" + (f" +{data['moves']} moves" if data["moves"] else "")
         lib_name = f"{lib['name']} V={lib['chunks']}" if lib else "none fits"
+        bound, gap, proof = certificate_columns(data)
         print(
             f"{ranks:>3} {microbatches:>4} {elapsed:>8.1f} {data['makespan']:>9g} "
-            f"{lib_span if lib_span is not None else '-':>9} {ratio:>6}  {shown} ({lib_name})  {data['complete']}"
+            f"{lib_span if lib_span is not None else '-':>9} {ratio:>6} {bound:>9} {gap:>7} {proof:>8}  "
+            f"{shown} ({lib_name})  {data['complete']}"
         )
+
+
+def certificate_columns(data: dict) -> tuple[str, str, str]:
+    """The lower bound, the gap to it and the solver's time to the proof (the sum over the V and placements, when
+    every one of them was proved; '-' otherwise), from tune's JSON."""
+    bound = data.get("lower_bound")
+    gap = data.get("gap")
+    proofs = (data.get("bound") or {}).get("proofs") or []
+    proved = proofs and all(p["solved"] for p in proofs)
+    return (
+        "-" if bound is None else f"{bound:g}",
+        "-" if gap is None else f"{gap:.2%}",
+        f"{sum(p['seconds'] for p in proofs):.1f}" if proved else "-",
+    )
 
 
 def grid_mode(args: argparse.Namespace) -> None:

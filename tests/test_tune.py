@@ -104,7 +104,12 @@ def test_same_seed_same_result(tmp_path: Path) -> None:
     second, _ = tune_json(tmp_path, "--seed", "7")
     if first["complete"] and second["complete"]:  # a budget cut may stop at different points; a full search may not
         assert first["schedule"] == second["schedule"]
-    assert first["candidates"][: len(first["candidates"]) // 2] == second["candidates"][: len(first["candidates"]) // 2]
+    # the library and the list schedules do not depend on time; the solver's and the local moves' rows may (a
+    # budget cut under load), so they are left out of the comparison unless the search completed
+    def timeless(data: dict) -> list[dict]:
+        return [c for c in data["candidates"] if not c["name"].startswith("cpsat") and not c["moves"]]
+
+    assert timeless(first) == timeless(second)
 
 
 def test_a_limit_parameter_of_a_from_file_takes_the_values_within_the_limit(tmp_path: Path) -> None:

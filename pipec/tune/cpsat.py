@@ -48,7 +48,7 @@ KINDS = (Kind.F, Kind.I, Kind.W)
 _F, _I, _W = 0, 1, 2
 MODEL_IDEAL = "ideal"  # messages take message_time between producer and consumer, nothing else
 MODEL_POSTED = "posted sends"  # and the sender's rank spends message_time posting each send (overlap=0)
-MAX_WORKERS = 8  # CP-SAT's portfolio: more workers than cores still helps a little, more than 8 does not
+WORKERS = 1  # CP-SAT's default here: one worker is deterministic (the same input, the same orders); more are not
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,7 @@ class _Instance:
         return start if len(start) == len(end) == self.stages * 3 * self.n_mb else None
 
 
-def _memory(model, inst: _Instance, start: dict, makespan) -> None:
+def _memory(model, inst: _Instance, start: dict, makespan) -> list[tuple]:
     """Each rank's live activations within the limit, as a cumulative: micro-batch m of stage s holds the part I
     frees from F's start to I's start and the rest from F's start to W's start. At the start of any op the sum
     is the verifier's count after that op (an interval ends where its free starts), and between starts it is
@@ -196,6 +196,7 @@ def _memory(model, inst: _Instance, start: dict, makespan) -> None:
     each holding memory for at least that long, through a limit). A reservoir says the same, but CP-SAT expands
     it into a Boolean for every pair of a rank's ops: measured far slower."""
     demands: list[tuple[list, list, list]] = [([], [], []) for _ in range(inst.ranks)]
+    lengths = []  # (variable, the forward, the op that frees): to hint
     for s in range(inst.stages):
         rank = inst.where[s]
         for k in (_I, _W):
@@ -206,6 +207,7 @@ def _memory(model, inst: _Instance, start: dict, makespan) -> None:
             for m in range(inst.n_mb):
                 lo, hi = start[(s, _F, m)], start[(s, k, m)]
                 length = model.new_int_var(least, 10**9, f"h{s},{k},{m}")
+                lengths.append((length, (s, _F, m), (s, k, m)))
                 demands[rank][0].append(model.new_interval_var(lo, length, hi, f"l{s},{k},{m}"))
                 demands[rank][1].append(demand)
                 demands[rank][2].append(demand * length)
@@ -218,6 +220,7 @@ def _memory(model, inst: _Instance, start: dict, makespan) -> None:
             first = min(inst.chain_to(s) for s in range(inst.stages) if inst.where[s] == rank)
             last = min(inst.dur[s][_W] for s in range(inst.stages) if inst.where[s] == rank)
             model.add(sum(areas) <= inst.limit * (makespan - first - last))
+    return lengths
 
 
 def _implied_precedences(model, inst: _Instance, start: dict) -> None:
@@ -253,11 +256,12 @@ def solve(
     seconds: float,
     hint: Sequence[Sequence[Action]] | None = None,
     seed: int = 0,
-    workers: int | None = None,
+    workers: int = WORKERS,
     late: float | None = None,
 ) -> SolverResult:
     """The least-makespan compute orders for `template`'s P, M, V and placement (module docstring), within
-    `seconds` of solver time. `hint`: per-rank compute orders to start from (the best tune has). Durations must
+    `seconds` of solver time. `hint`: per-rank compute orders to start from (the best tune has). `workers`:
+    CP-SAT's parallel portfolio (faster proofs on idle cores, but then not deterministic). Durations must
     be positive (the memory intervals read a rank's order from distinct start times). `late`: instead, among
     the orders of makespan at most `late`, one that runs every op as late as it allows (the greatest sum of
     starts): an optimal order with slack left early can lose time under nccl, where a receive posted with
@@ -302,8 +306,7 @@ def solve(
         if m + 1 < inst.n_mb:
             model.add(start[(s, k, m + 1)] >= start[(s, k, m)] + inst.dur[s][k])
     makespan = model.new_int_var(0, horizon, "makespan")
-    if inst.limit is not None:
-        _memory(model, inst, start, makespan)
+    lengths = _memory(model, inst, start, makespan) if inst.limit is not None else []
     for op in ops:
         if op[1] == _W:  # every op is followed by a W of its stage and micro-batch (posts by their consumers)
             model.add(makespan >= start[op] + inst.dur[op[0]][_W])
@@ -319,12 +322,18 @@ def solve(
                 model.add_hint(start[op], at)
                 if op in posts:
                     model.add_hint(posts[op], at + inst.dur[op[0]][op[1]])
+            for length, lo, hi in lengths:
+                model.add_hint(length, times[hi] - times[lo])
             model.add_hint(makespan, max(at + inst.dur[s][k] for (s, k, _), at in times.items()))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.05, seconds - (time.monotonic() - began))
-    solver.parameters.num_workers = workers or max(1, min(MAX_WORKERS, os.cpu_count() or 1))
+    solver.parameters.num_workers = workers
     solver.parameters.random_seed = seed
     solver.parameters.log_search_progress = bool(os.environ.get("PIPEC_CPSAT_DEBUG"))
+    if os.environ.get("PIPEC_CPSAT_PARAMS"):
+        from google.protobuf import text_format
+
+        text_format.Merge(os.environ["PIPEC_CPSAT_PARAMS"], solver.parameters)
     status = solver.solve(model)
     if os.environ.get("PIPEC_CPSAT_DEBUG"):
         print(solver.status_name(status), solver.response_stats())
@@ -346,4 +355,4 @@ def solve(
     return SolverResult(orders, value, bound, status == cp_model.OPTIMAL, False, inst.model, took)
 
 
-__all__ = ["KINDS", "MODEL_IDEAL", "MODEL_POSTED", "SolverResult", "available", "refuses", "solve"]
+__all__ = ["KINDS", "MODEL_IDEAL", "MODEL_POSTED", "WORKERS", "SolverResult", "available", "refuses", "solve"]

@@ -217,7 +217,13 @@ def _certificate_json(result: TuneResult) -> dict:
             "relaxation": cert.relaxed,
             "space": {"chunks": list(result.setting.chunks), "placements": ["loop", "v"]},
             "proofs": [
-                {"chunks": p.chunks, "placement": p.placement, "bound": p.bound, "solved": p.solved}
+                {
+                    "chunks": p.chunks,
+                    "placement": p.placement,
+                    "bound": None if p.bound == float("inf") else p.bound,
+                    "solved": p.solved,
+                    "seconds": round(p.seconds, 3),
+                }
                 for p in cert.proofs
             ],
         },

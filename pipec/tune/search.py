@@ -81,6 +81,7 @@ class Proof:
     placement: str  # loop or v
     bound: float | None  # a lower bound on the nccl makespan of every schedule of this V and placement
     solved: bool  # the solver ended: the bound is the optimum of its model
+    seconds: float = 0.0  # the solve's wall time (to the proof, when solved)
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,7 @@ def tune(
     time_budget: float = 60.0,
     seed: int = 0,
     progress: Progress | None = None,
+    workers: int = cpsat.WORKERS,
 ) -> TuneResult:
     """Phases 1 to 3 (module docstring). Phase 1 always completes; `time_budget` seconds, counted from the start,
     bound the others."""
@@ -203,7 +205,7 @@ def tune(
     until = time.monotonic() + max(0.0, deadline - time.monotonic()) * SOLVER_SHARE
     why_not = cpsat.available() or cpsat.refuses(setting.stage_costs(1), setting.ranks)
     if why_not is None:
-        certificate, solved = _solver_phase(setting, tried, until, seed, note)
+        certificate, solved = _solver_phase(setting, tried, until, seed, note, workers)
         complete = complete and solved
     else:
         certificate = Certificate((), cpsat.MODEL_IDEAL, False, skipped=why_not)
@@ -227,7 +229,7 @@ def tune(
 
 
 def _solver_phase(
-    setting: Setting, tried: list[Candidate], deadline: float, seed: int, note: Callable[..., None]
+    setting: Setting, tried: list[Candidate], deadline: float, seed: int, note: Callable[..., None], workers: int
 ) -> tuple[Certificate, bool]:
     """Phase 4 with CP-SAT: one model per V of --chunks and placement (loop; v too at V > 1), each warm-started
     from the best verified order of its shape so far, the time to `deadline` shared among the solves left (one
@@ -252,14 +254,22 @@ def _solver_phase(
         share = max(0.0, deadline - time.monotonic()) / (len(jobs) - index)
         costs = setting.stage_costs(v)
         found = cpsat.solve(
-            template, costs, setting.limit, setting.costs.input_fraction, setting.stage_sizes(v), share, hint, seed
+            template,
+            costs,
+            setting.limit,
+            setting.costs.input_fraction,
+            setting.stage_sizes(v),
+            share,
+            hint,
+            seed,
+            workers,
         )
         model = found.model
         if found.infeasible:
-            proofs.append(Proof(v, placement, math.inf, True))
+            proofs.append(Proof(v, placement, math.inf, True, found.seconds))
             note(Candidate(name, (), v, None, None, None, ERROR, "no order fits the limit (proved)", phase=4), "solver")
             continue
-        proofs.append(Proof(v, placement, found.bound, found.optimal))
+        proofs.append(Proof(v, placement, found.bound, found.optimal, found.seconds))
         if found.orders is None:
             why = "the time budget ended before the solver found an order"
             note(Candidate(name, (), v, None, None, None, SKIPPED, why, phase=4, bound=found.bound), "solver")
@@ -278,6 +288,7 @@ def _solver_phase(
                 min(left, max(1.0, found.seconds)),
                 found.orders.streams,
                 seed,
+                workers,
                 late=found.makespan,
             )
             if later.orders is not None:

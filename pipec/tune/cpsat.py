@@ -2,7 +2,8 @@
 
 CP-SAT fits the problem as stated: each op is an interval of fixed length, a rank runs one at a time
 (no-overlap), the data dependencies are precedences with the message time, and the memory a rank holds along its
-order is a reservoir (a level changed by each op at its start). Its lower bound is what makes the certificate.
+order is a cumulative (each activation an interval from its forward to its free). Its lower bound is what makes
+the certificate.
 The solver is an optional dependency of tune only (`pip install pipec[tune]`); without it `available()` says
 why and tune runs its branch and bound (pipec.tune.exact) at small sizes instead.
 
@@ -16,8 +17,13 @@ The model, per (V, placement), ops (stage s, kind k in F/I/W, micro-batch m) of 
   ranks the consumer starts `message_time` after the producer ends (or after the post starts, with posts);
 - **memory**, exactly as pipec/verify/memory.py counts it along each rank's order: F adds the stage's size, I
   frees `input_fraction` of it and W the rest, each at its start; with positive durations no two ops of a rank
-  start together, so the reservoir's level after each start is the verifier's live count after that op, and the
-  level stays within [0, limit] (sizes and limit scaled to integers);
+  start together, so the live count at each start is the verifier's count after that op, and it stays within
+  the limit (sizes and limit scaled to integers; a cumulative, `_memory`). Redundant cuts make the memory bite
+  in the bound: each activation lives at least as long as the chain of work between its forward and its free;
+  the memory-time of a rank fits under limit x makespan; the precedences the limit implies for one stage alone
+  (F(s, m) waits for some I and W of earlier micro-batches); and the stage's live count after each forward as
+  a sum of "before" Booleans, which the LP sees (measured at P=8, M=24, limit 4: root bound 104 with the
+  cumulative alone, 162 with the cuts; the optimum is 170);
 - **symmetry**: each stage runs its F, its I and its W in micro-batch order (pipec's counters), without loss:
   micro-batches are interchangeable, and relabelling every schedule so that the k-th F (I, W) a stage runs is
   micro-batch k keeps it valid (by the start of its k-th op a stage has consumed k distinct inputs, so the k-th
@@ -35,7 +41,6 @@ placement adds no wait; with messages it is the bound of a relaxation (free batc
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -48,6 +53,7 @@ KINDS = (Kind.F, Kind.I, Kind.W)
 _F, _I, _W = 0, 1, 2
 MODEL_IDEAL = "ideal"  # messages take message_time between producer and consumer, nothing else
 MODEL_POSTED = "posted sends"  # and the sender's rank spends message_time posting each send (overlap=0)
+WINDOW = 16  # the most Booleans per forward in the counted memory cut (_counted)
 WORKERS = 1  # CP-SAT's default here: one worker is deterministic (the same input, the same orders); more are not
 
 
@@ -187,7 +193,7 @@ class _Instance:
         return start if len(start) == len(end) == self.stages * 3 * self.n_mb else None
 
 
-def _memory(model, inst: _Instance, start: dict, makespan) -> list[tuple]:
+def _memory(model, inst: _Instance, start: dict, makespan, orders: list[tuple]) -> list[tuple]:
     """Each rank's live activations within the limit, as a cumulative: micro-batch m of stage s holds the part I
     frees from F's start to I's start and the rest from F's start to W's start. At the start of any op the sum
     is the verifier's count after that op (an interval ends where its free starts), and between starts it is
@@ -211,7 +217,7 @@ def _memory(model, inst: _Instance, start: dict, makespan) -> list[tuple]:
                 demands[rank][0].append(model.new_interval_var(lo, length, hi, f"l{s},{k},{m}"))
                 demands[rank][1].append(demand)
                 demands[rank][2].append(demand * length)
-    _implied_precedences(model, inst, start)
+    _implied_precedences(model, inst, start, orders)
     for rank, (intervals, amounts, areas) in enumerate(demands):
         if intervals:
             model.add_cumulative(intervals, amounts, inst.limit)
@@ -223,7 +229,7 @@ def _memory(model, inst: _Instance, start: dict, makespan) -> list[tuple]:
     return lengths
 
 
-def _implied_precedences(model, inst: _Instance, start: dict) -> None:
+def _implied_precedences(model, inst: _Instance, start: dict, orders: list[tuple]) -> None:
     """What the limit implies for one stage alone, as precedences (redundant, but they propagate at once): after
     F(s, m) the stage holds (m + 1 - f·i - (1 - f)·w) of its size, i and w being the I and W it has run
     (w <= i <= m, f the input fraction), and the rank's other stages hold no less than nothing; so F(s, m) waits
@@ -241,10 +247,43 @@ def _implied_precedences(model, inst: _Instance, start: dict) -> None:
             need_i = math.ceil(m + 1 - room)
             if 0 < need_i <= m:
                 model.add(f >= start[(s, _I, need_i - 1)] + inst.dur[s][_I])
+            need_w = 0
             if free_i < 1:
                 need_w = math.ceil((m + 1 - free_i * m - room) / (1 - free_i))
                 if 0 < need_w <= m:
                     model.add(f >= start[(s, _W, need_w - 1)] + inst.dur[s][_W])
+            _counted(model, inst, start, s, m, max(0, need_i), max(0, need_w), orders)
+
+
+def _counted(
+    model, inst: _Instance, start: dict, s: int, m: int, sure_i: int, sure_w: int, orders: list[tuple]
+) -> None:
+    """The stage's own live count after F(s, m) as a sum the LP sees: a Boolean per I and W of the stage that
+    may or may not come before F(s, m) (the first `sure_i` I and `sure_w` W surely do, micro-batches m and later
+    surely not), ordered as the counters run them. Redundant with the cumulative, which bounds the makespan
+    through memory only weakly."""
+    assert inst.limit is not None
+    if m - sure_i + m - sure_w > WINDOW:
+        return
+    f = start[(s, _F, m)]
+    before = {}
+    for k, sure in ((_I, sure_i), (_W, sure_w)):
+        previous = None
+        for j in range(sure, m):
+            b = model.new_bool_var(f"c{s},{k},{j},{m}")
+            op = start[(s, k, j)]
+            model.add(op + inst.dur[s][k] <= f).only_enforce_if(b)
+            model.add(f + inst.dur[s][_F] <= op).only_enforce_if(~b)
+            if previous is not None:
+                model.add_implication(b, previous)  # the counters: micro-batch j before j + 1
+            previous = b
+            before[(k, j)] = b
+            orders.append((b, (s, k, j), (s, _F, m)))
+    for (k, j), b in before.items():
+        if k == _W and (_I, j) in before:
+            model.add_implication(b, before[(_I, j)])  # W(s, j) after I(s, j)
+    live = inst.change[s][_F] * (m + 1) + inst.change[s][_I] * sure_i + inst.change[s][_W] * sure_w
+    model.add(live + sum(inst.change[s][k] * b for (k, _), b in before.items()) <= inst.limit)
 
 
 def solve(
@@ -306,7 +345,8 @@ def solve(
         if m + 1 < inst.n_mb:
             model.add(start[(s, k, m + 1)] >= start[(s, k, m)] + inst.dur[s][k])
     makespan = model.new_int_var(0, horizon, "makespan")
-    lengths = _memory(model, inst, start, makespan) if inst.limit is not None else []
+    orders: list[tuple] = []  # (Boolean, op a, op b): a starts before b, to hint
+    lengths = _memory(model, inst, start, makespan, orders) if inst.limit is not None else []
     for op in ops:
         if op[1] == _W:  # every op is followed by a W of its stage and micro-batch (posts by their consumers)
             model.add(makespan >= start[op] + inst.dur[op[0]][_W])
@@ -324,19 +364,14 @@ def solve(
                     model.add_hint(posts[op], at + inst.dur[op[0]][op[1]])
             for length, lo, hi in lengths:
                 model.add_hint(length, times[hi] - times[lo])
+            for b, first, then in orders:
+                model.add_hint(b, times[first] < times[then])
             model.add_hint(makespan, max(at + inst.dur[s][k] for (s, k, _), at in times.items()))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.05, seconds - (time.monotonic() - began))
     solver.parameters.num_workers = workers
     solver.parameters.random_seed = seed
-    solver.parameters.log_search_progress = bool(os.environ.get("PIPEC_CPSAT_DEBUG"))
-    if os.environ.get("PIPEC_CPSAT_PARAMS"):
-        from google.protobuf import text_format
-
-        text_format.Merge(os.environ["PIPEC_CPSAT_PARAMS"], solver.parameters)
     status = solver.solve(model)
-    if os.environ.get("PIPEC_CPSAT_DEBUG"):
-        print(solver.status_name(status), solver.response_stats())
     took = time.monotonic() - began
     if status == cp_model.INFEASIBLE and late is None:
         return SolverResult(None, None, None, False, True, inst.model, took)

@@ -8,8 +8,10 @@ skipped. Only ok candidates rank: makespan, then peak memory, then name.
 
 Phases: 1, every library schedule and `--from` file over its V and parameters (always completes, so tune is never
 worse than the library); 2, list-scheduled orders (pipec.passes.list_schedule) under the costs and the limit, for
-each V of `--chunks` and placement loop or v; 4, for small sizes (3·P·M·V <= 64), an exact search of the orders
-(pipec.tune.exact), given at most half of the time left; 3, local moves on the best few orders (move one W past
+each V of `--chunks` and placement loop or v; 4, the exact phase, given at most half of the time left: with
+OR-tools, a CP-SAT model per V and placement (pipec.tune.cpsat), warm-started from the best order so far, whose
+lower bounds make the certificate (`Certificate`: proved optimal, or within a gap); without it, for small sizes
+(3·P·M·V <= 64), the branch and bound (pipec.tune.exact); 3, local moves on the best few orders (move one W past
 a neighbour on its rank, either way, or pull one F earlier), a move kept when the result verifies, fits, is not
 slower and moves work earlier (the makespan, then the sum of the ops' end times, decreases: plateaus of the makespan are
 common, and crossing them is what finds the faster orders), in a seeded order, first improvement, until no move
@@ -232,8 +234,9 @@ def _solver_phase(
     setting: Setting, tried: list[Candidate], deadline: float, seed: int, note: Callable[..., None], workers: int
 ) -> tuple[Certificate, bool]:
     """Phase 4 with CP-SAT: one model per V of --chunks and placement (loop; v too at V > 1), each warm-started
-    from the best verified order of its shape so far, the time to `deadline` shared among the solves left (one
-    that proves early leaves its rest to the next). Returns the certificate and whether every solve ended."""
+    from the best verified order of its shape so far, the time to `deadline` shared among the solves left by
+    weight 1/V^2 (one that proves early leaves its rest to the next). Returns the certificate and whether every
+    solve ended."""
     jobs = [(v, placement) for v in setting.chunks for placement in (("loop", "v") if v > 1 else ("loop",))]
     proofs: list[Proof] = []
     model = cpsat.MODEL_IDEAL
@@ -251,7 +254,10 @@ def _solver_phase(
         )
         shape = [c for c in tried if c.ok and c.program is not None and c.program.stage_to_rank == where]
         hint = min(shape, key=Candidate.key).program.compute_streams() if shape else None  # type: ignore[union-attr]
-        share = max(0.0, deadline - time.monotonic()) / (len(jobs) - index)
+        # the time left, shared by weight 1/V^2 among the solves left: a smaller model is likelier to be proved
+        # (the model grows with V, and its proofs harder still)
+        weights = [1 / chunks**2 for chunks, _ in jobs[index:]]
+        share = max(0.0, deadline - time.monotonic()) * weights[0] / sum(weights)
         costs = setting.stage_costs(v)
         found = cpsat.solve(
             template,
@@ -278,7 +284,7 @@ def _solver_phase(
         if candidate.ok and found.makespan is not None and candidate.makespan > found.makespan + _EPSILON:  # type: ignore[operator]
             # the order runs slower under nccl than in the model: the same makespan with every op as late as it
             # allows often closes it (cpsat.solve's `late`)
-            left = max(0.0, deadline - time.monotonic()) / (len(jobs) - index)
+            left = max(0.0, deadline - time.monotonic()) * weights[0] / sum(weights)
             later = cpsat.solve(
                 template,
                 costs,

@@ -345,6 +345,14 @@ def solve(
         if m + 1 < inst.n_mb:
             model.add(start[(s, k, m + 1)] >= start[(s, k, m)] + inst.dur[s][k])
     makespan = model.new_int_var(0, horizon, "makespan")
+    for rank in range(inst.ranks):
+        # a rank starts no earlier than its first forward can, then runs all its work and posts one at a time
+        # (CP-SAT's no-overlap does not give the LP this: at loose memory its bound stayed far below it)
+        mine = [op for op in ops if inst.where[op[0]] == rank]
+        if mine:
+            head = min(inst.chain_to(s) for s, _, _ in mine)
+            work = sum(inst.dur[s][k] + (post if inst.sends((s, k, m)) else 0) for s, k, m in mine)
+            model.add(makespan >= head + work)
     orders: list[tuple] = []  # (Boolean, op a, op b): a starts before b, to hint
     lengths = _memory(model, inst, start, makespan, orders) if inst.limit is not None else []
     for op in ops:

@@ -26,13 +26,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+import pipec.tune.cpsat as cpsat
 from pipec.compiler import compute_orders, place_p2p
 from pipec.errors import PipecError
 from pipec.ir import MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas, loop_placement, v_placement
 from pipec.passes.p2p import insert_p2p_ops
 from pipec.sim.costs import Costs
 from pipec.sim.simulate import simulate
-from pipec.tune import cpsat
 from pipec.tune.exact import ExactResult, exact_candidates
 from pipec.tune.greedy import listed_orders
 from pipec.tune.setting import Setting

@@ -140,6 +140,18 @@ class _Instance:
             t += self.dur[t_stage - 1][_F] + (self.delay if cross else 0)
         return t
 
+    def rank_bound(self) -> int:
+        """The largest over ranks of its first forward's earliest start plus all its work (and posts)."""
+        post = self.delay if self.model == MODEL_POSTED else 0
+        best = 0
+        for rank in range(self.ranks):
+            mine = [op for op in self.ops() if self.where[op[0]] == rank]
+            if mine:
+                head = min(self.chain_to(s) for s, _, _ in mine)
+                work = sum(self.dur[s][k] + (post if self.sends((s, k, m)) else 0) for s, k, m in mine)
+                best = max(best, head + work)
+        return best
+
     def ops(self) -> list[tuple[int, int, int]]:
         return [(s, k, m) for s in range(self.stages) for k in range(3) for m in range(self.n_mb)]
 
@@ -286,6 +298,13 @@ def _counted(
     model.add(live + sum(inst.change[s][k] * b for (k, _), b in before.items()) <= inst.limit)
 
 
+def rank_bound(template: Program, costs: Costs) -> float:
+    """A lower bound on the makespan without solving (the per-rank one: `_Instance.rank_bound`), for a shape the
+    solver is not given time for."""
+    inst = _Instance(template, costs, None, 0.5, None)
+    return inst.rank_bound() / inst.scale
+
+
 def solve(
     template: Program,
     costs: Costs,
@@ -345,14 +364,9 @@ def solve(
         if m + 1 < inst.n_mb:
             model.add(start[(s, k, m + 1)] >= start[(s, k, m)] + inst.dur[s][k])
     makespan = model.new_int_var(0, horizon, "makespan")
-    for rank in range(inst.ranks):
-        # a rank starts no earlier than its first forward can, then runs all its work and posts one at a time
-        # (CP-SAT's no-overlap does not give the LP this: at loose memory its bound stayed far below it)
-        mine = [op for op in ops if inst.where[op[0]] == rank]
-        if mine:
-            head = min(inst.chain_to(s) for s, _, _ in mine)
-            work = sum(inst.dur[s][k] + (post if inst.sends((s, k, m)) else 0) for s, k, m in mine)
-            model.add(makespan >= head + work)
+    # a rank starts no earlier than its first forward can, then runs all its work and posts one at a time
+    # (CP-SAT's no-overlap does not give the LP this: at loose memory its bound stayed far below it)
+    model.add(makespan >= inst.rank_bound())
     orders: list[tuple] = []  # (Boolean, op a, op b): a starts before b, to hint
     lengths = _memory(model, inst, start, makespan, orders) if inst.limit is not None else []
     for op in ops:
@@ -383,7 +397,8 @@ def solve(
     took = time.monotonic() - began
     if status == cp_model.INFEASIBLE and late is None:
         return SolverResult(None, None, None, False, True, inst.model, took)
-    bound = math.ceil(solver.best_objective_bound - 1e-6) / inst.scale
+    # a solve stopped before its own bound passed the per-rank one still has that one
+    bound = max(math.ceil(solver.best_objective_bound - 1e-6), inst.rank_bound()) / inst.scale
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return SolverResult(None, None, bound if status == cp_model.UNKNOWN else None, False, False, inst.model, took)
     streams = []
@@ -398,4 +413,14 @@ def solve(
     return SolverResult(orders, value, bound, status == cp_model.OPTIMAL, False, inst.model, took)
 
 
-__all__ = ["KINDS", "MODEL_IDEAL", "MODEL_POSTED", "WORKERS", "SolverResult", "available", "refuses", "solve"]
+__all__ = [
+    "KINDS",
+    "MODEL_IDEAL",
+    "MODEL_POSTED",
+    "WORKERS",
+    "SolverResult",
+    "available",
+    "rank_bound",
+    "refuses",
+    "solve",
+]

@@ -240,6 +240,7 @@ def _solver_phase(
     jobs = [(v, placement) for v in setting.chunks for placement in (("loop", "v") if v > 1 else ("loop",))]
     proofs: list[Proof] = []
     model = cpsat.MODEL_IDEAL
+    starved = False  # a solve found no order in its share: the larger models after it would not either
     for index, (v, placement) in enumerate(jobs):
         name = "cpsat" if placement == "loop" else "cpsat-v"
         stages = setting.ranks * v
@@ -259,6 +260,12 @@ def _solver_phase(
         weights = [1 / chunks**2 for chunks, _ in jobs[index:]]
         share = max(0.0, deadline - time.monotonic()) * weights[0] / sum(weights)
         costs = setting.stage_costs(v)
+        if starved:  # its time goes to the local moves; its bound is the per-rank one
+            bound = cpsat.rank_bound(template, costs)
+            proofs.append(Proof(v, placement, bound, False))
+            why = "not solved: a smaller model found no order in its share of the time budget"
+            note(Candidate(name, (), v, None, None, None, SKIPPED, why, phase=4, bound=bound), "solver")
+            continue
         found = cpsat.solve(
             template,
             costs,
@@ -277,6 +284,7 @@ def _solver_phase(
             continue
         proofs.append(Proof(v, placement, found.bound, found.optimal, found.seconds))
         if found.orders is None:
+            starved = True
             why = "the time budget ended before the solver found an order"
             note(Candidate(name, (), v, None, None, None, SKIPPED, why, phase=4, bound=found.bound), "solver")
             continue

@@ -367,8 +367,8 @@ def solve(
     # a rank starts no earlier than its first forward can, then runs all its work and posts one at a time
     # (CP-SAT's no-overlap does not give the LP this: at loose memory its bound stayed far below it)
     model.add(makespan >= inst.rank_bound())
-    orders: list[tuple] = []  # (Boolean, op a, op b): a starts before b, to hint
-    lengths = _memory(model, inst, start, makespan, orders) if inst.limit is not None else []
+    befores: list[tuple] = []  # (Boolean, op a, op b): a starts before b, to hint
+    lengths = _memory(model, inst, start, makespan, befores) if inst.limit is not None else []
     for op in ops:
         if op[1] == _W:  # every op is followed by a W of its stage and micro-batch (posts by their consumers)
             model.add(makespan >= start[op] + inst.dur[op[0]][_W])
@@ -386,7 +386,7 @@ def solve(
                     model.add_hint(posts[op], at + inst.dur[op[0]][op[1]])
             for length, lo, hi in lengths:
                 model.add_hint(length, times[hi] - times[lo])
-            for b, first, then in orders:
+            for b, first, then in befores:
                 model.add_hint(b, times[first] < times[then])
             model.add_hint(makespan, max(at + inst.dur[s][k] for (s, k, _), at in times.items()))
     solver = cp_model.CpSolver()
@@ -400,7 +400,8 @@ def solve(
     # a solve stopped before its own bound passed the per-rank one still has that one
     bound = max(math.ceil(solver.best_objective_bound - 1e-6), inst.rank_bound()) / inst.scale
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return SolverResult(None, None, bound if status == cp_model.UNKNOWN else None, False, False, inst.model, took)
+        known = bound if status == cp_model.UNKNOWN and late is None else None  # `late` maximises: no makespan bound
+        return SolverResult(None, None, known, False, False, inst.model, took)
     streams = []
     for rank in range(inst.ranks):
         mine = sorted((solver.value(start[op]), op) for op in ops if inst.where[op[0]] == rank)

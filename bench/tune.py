@@ -3,11 +3,13 @@
     python bench/tune.py                           # (4,8), (8,24), (16,64); F=I=W=1, limit P, tune's 60 s budget
     python bench/tune.py --sizes 8,24 --cost F=1,I=2,W=1,comm=0.5 --limit-factor 0.75 --time-budget 60
     python bench/tune.py --grid                    # the issue's grid: worst case of tune / best library schedule
+    python bench/tune.py --gap-grid --gap-ranks 4  # tune's gap to the proven optimum, without and with CP-SAT
 
 Default mode: for each (P, M) it runs `pipec tune -P P -M M --cost COST --memory-limit factor*P --format json`
 as a subprocess (what a user waits for, start-up included) and prints the wall time, tune's makespan, the best
-library candidate's makespan at the same limit, their ratio and whether the search ran to its end (a local
-optimum) or to the time budget.
+library candidate's makespan at the same limit, their ratio, the solver's lower bound, tune's gap to it and the
+solver's time to the proof (when every V and placement was proved), and whether the search ran to its end (a
+local optimum) or to the time budget.
 
 --grid: P in 2..8, M in {P, 2P, 3P}, limit in {0.5, 1, 1.5, 2} x P, cost mixes F:I:W = 1:1:1, 1:2:1, 1:1:2 and a
 last stage twice as slow (chunks 1,2,4), through pipec.tune.tune in-process with --grid-budget seconds each. It
@@ -70,7 +72,10 @@ def sizes_mode(args: argparse.Namespace) -> None:
     print(
         f"cost {args.cost}, limit {args.limit_factor:g} x P, chunks {args.chunks}, --time-budget {args.time_budget:g}"
     )
-    print(f"{'P':>3} {'M':>4} {'seconds':>8} {'tune':>9} {'library':>9} {'ratio':>6}  best (library best)  complete")
+    print(
+        f"{'P':>3} {'M':>4} {'seconds':>8} {'tune':>9} {'library':>9} {'ratio':>6} {'bound':>9} {'gap':>7} "
+        f"{'proof s':>8}  best (library best)  complete"
+    )
     for ranks, microbatches in args.sizes:
         limit = args.limit_factor * ranks
         elapsed, data = timed(ranks, microbatches, args.cost, limit, args.time_budget, args.chunks)
@@ -79,10 +84,26 @@ def sizes_mode(args: argparse.Namespace) -> None:
         ratio = f"{data['makespan'] / lib_span:.4f}" if lib_span else "-"
         shown = f"{data['name']} V={data['chunks']}" + (f" +{data['moves']} moves" if data["moves"] else "")
         lib_name = f"{lib['name']} V={lib['chunks']}" if lib else "none fits"
+        bound, gap, proof = certificate_columns(data)
         print(
             f"{ranks:>3} {microbatches:>4} {elapsed:>8.1f} {data['makespan']:>9g} "
-            f"{lib_span if lib_span is not None else '-':>9} {ratio:>6}  {shown} ({lib_name})  {data['complete']}"
+            f"{lib_span if lib_span is not None else '-':>9} {ratio:>6} {bound:>9} {gap:>7} {proof:>8}  "
+            f"{shown} ({lib_name})  {data['complete']}"
         )
+
+
+def certificate_columns(data: dict) -> tuple[str, str, str]:
+    """The lower bound, the gap to it and the solver's time to the proof (the sum over the V and placements, when
+    every one of them was proved; '-' otherwise), from tune's JSON."""
+    bound = data.get("lower_bound")
+    gap = data.get("gap")
+    proofs = (data.get("bound") or {}).get("proofs") or []
+    proved = proofs and all(p["solved"] for p in proofs)
+    return (
+        "-" if bound is None else f"{bound:g}",
+        "-" if gap is None else f"{gap:.2%}",
+        f"{sum(p['seconds'] for p in proofs):.1f}" if proved else "-",
+    )
 
 
 def grid_mode(args: argparse.Namespace) -> None:
@@ -142,6 +163,47 @@ def grid_mode(args: argparse.Namespace) -> None:
         print(f"    {line}")
 
 
+def gap_grid_mode(args: argparse.Namespace) -> None:
+    """tune's gap to the solver's proven optimum, today's tune (no solver: the branch and bound at small sizes)
+    against tune with the CP-SAT phase, on the issue's V=1 grid (P in --gap-ranks, M in {P, 2P, 3P}, X in {0.5,
+    1, 1.5, 2}·P, the mixes F:I:W = 1:1:1, 1:2:1, 1:1:2, 2:1:1 and a last stage twice as slow, comm=--comm)."""
+    from pipec.sim.costs import parse_costs
+    from pipec.tune import Setting, cpsat, library_sources, tune
+
+    mixes = (*MIXES, "2:1:1")
+    print(f"gap grid: V=1, comm={args.comm:g}, --grid-budget {args.grid_budget:g} s per tune call")
+    print(f"{'case':<34} {'before':>8} {'after':>8} {'bound':>8} {'gap before':>10} {'gap after':>9} proof s")
+    worst_before = worst_after = 0.0
+    available = cpsat.available
+    for ranks in args.gap_ranks:
+        for factor in (1, 2, 3):
+            for scale in (0.5, 1.0, 1.5, 2.0):
+                for mix in mixes:
+                    microbatches, limit = factor * ranks, scale * ranks
+                    costs = parse_costs({**cost_map(mix, ranks), "comm": args.comm})
+                    setting = Setting(ranks, microbatches, costs, limit, (1,))
+                    cpsat.available = lambda: "off for the 'before' column"  # type: ignore[assignment]
+                    try:
+                        before = tune(setting, library_sources(), time_budget=args.grid_budget).best
+                    finally:
+                        cpsat.available = available  # type: ignore[assignment]
+                    result = tune(setting, library_sources(), time_budget=args.grid_budget)
+                    after, cert = result.best, result.certificate
+                    if before is None or after is None or cert is None or cert.bound is None:
+                        print(f"P={ranks} M={microbatches} X={limit:g} {mix}: nothing fits or no bound")
+                        continue
+                    bound = cert.bound
+                    gap_b, gap_a = before.makespan / bound - 1, after.makespan / bound - 1  # type: ignore[operator]
+                    worst_before, worst_after = max(worst_before, gap_b), max(worst_after, gap_a)
+                    proof = f"{sum(p.seconds for p in cert.proofs):.1f}" if all(p.solved for p in cert.proofs) else "-"
+                    print(
+                        f"{f'P={ranks} M={microbatches} X={limit:g} {mix}':<34} {before.makespan:>8g} "
+                        f"{after.makespan:>8g} {bound:>8g} {gap_b:>10.2%} {gap_a:>9.2%} {proof}",
+                        flush=True,
+                    )
+    print(f"worst gap to the bound: before {worst_before:.2%}, after {worst_after:.2%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", default=["4,8", "8,24", "16,64"], metavar="P,M")
@@ -151,10 +213,16 @@ def main() -> None:
     parser.add_argument("--chunks", default="1,2,4")
     parser.add_argument("--grid", action="store_true", help="run the issue's grid instead")
     parser.add_argument("--grid-budget", type=float, default=1.0, help="seconds of search per grid case")
+    parser.add_argument("--gap-grid", action="store_true", help="tune's gap to the solver's bound, before and after")
+    parser.add_argument("--gap-ranks", type=int, nargs="+", default=[4, 8], metavar="P")
+    parser.add_argument("--comm", type=float, default=0.0, help="--gap-grid: the message time")
     args = parser.parse_args()
     args.sizes = [tuple(int(x) for x in s.split(",")) for s in args.sizes]
     args.chunks_t = tuple(int(x) for x in args.chunks.split(","))
-    grid_mode(args) if args.grid else sizes_mode(args)
+    if args.gap_grid:
+        gap_grid_mode(args)
+    else:
+        grid_mode(args) if args.grid else sizes_mode(args)
 
 
 if __name__ == "__main__":

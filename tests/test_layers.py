@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import networkx as nx
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pipec"
@@ -195,3 +196,53 @@ def test_program_check_raises_on_an_invalid_program() -> None:
         broken.check()
     with pytest.raises(pipec.ScheduleError):
         pipec.check(broken)
+
+
+def import_graph(sources: dict[str, set[str]]) -> nx.DiGraph:
+    """Module -> the pipec modules it imports (anywhere in it), over the modules given. A package's `__init__`
+    counts when its names are imported (`from pipec.verify import verify`), not when a submodule is: the package
+    facade that re-exports its submodules is not a circle, since no submodule needs the facade's names."""
+    graph = nx.DiGraph()
+    graph.add_nodes_from(sources)
+    for module, names in sources.items():
+        graph.add_edges_from((module, name) for name in names if name in sources and name != module)
+    return graph
+
+
+def package_of(module: str) -> str:
+    """The room a module lives in: `pipec.verify.deadlock.nccl` -> `pipec.verify`, `pipec.ir` -> `pipec.ir`."""
+    return ".".join(module.split(".")[:2])
+
+
+def import_cycles(graph: nx.DiGraph) -> list[list[str]]:
+    """Each import circle, as the sorted modules of one strongly connected component of more than one module."""
+    return sorted(sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1)
+
+
+def package_graph(graph: nx.DiGraph) -> nx.DiGraph:
+    rooms = nx.DiGraph()
+    rooms.add_nodes_from(package_of(m) for m in graph)
+    rooms.add_edges_from((package_of(a), package_of(b)) for a, b in graph.edges if package_of(a) != package_of(b))
+    return rooms
+
+
+SOURCE_IMPORTS = {module_name(path): imports_of(path) for path in SOURCES}
+
+
+def test_no_import_circle_between_modules() -> None:
+    cycles = import_cycles(import_graph(SOURCE_IMPORTS))
+    assert not cycles, "import circles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_no_import_circle_between_packages() -> None:
+    """Rooms too: frontend -> passes -> frontend is a circle even when no single module closes it."""
+    cycles = import_cycles(package_graph(import_graph(SOURCE_IMPORTS)))
+    assert not cycles, "import circles between packages: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_circle_check_finds_a_circle_added_on_purpose() -> None:
+    """A late import of the simulator from the IR closes ir -> ... -> sim -> ir: both checks see it."""
+    sources = dict(SOURCE_IMPORTS)
+    sources["pipec.ir"] = sources["pipec.ir"] | {"pipec.sim.costs"}
+    assert any("pipec.ir" in c for c in import_cycles(import_graph(sources)))
+    assert any("pipec.ir" in c for c in import_cycles(package_graph(import_graph(sources))))

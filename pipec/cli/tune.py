@@ -72,6 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "is always tried in full",
     )
     parser.add_argument("--seed", type=integer, default=0, metavar="S", help="seed of sampling and local moves")
+    parser.add_argument(
+        "--workers",
+        type=positive,
+        default=1,
+        metavar="N",
+        help="threads of the exact phase's solver (CP-SAT; default 1: deterministic; more prove faster on idle "
+        "cores, with results that may differ between runs)",
+    )
     parser.add_argument("--format", choices=("text", "json"), default="text", help="text (default) or json")
     parser.add_argument("-o", "--output", metavar="best.pipe", help="write the best schedule here (atomically)")
     parser.add_argument(
@@ -114,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     sources = library_sources() + [(path, path) for path in args.sources]
     # the budget is for the whole command: start-up, the final re-check and the output take about a second
     search_budget = max(0.0, args.time_budget - min(OUTPUT_RESERVE, args.time_budget / 10))
-    result = tune(setting, sources, search_budget, args.seed, _Progress(args.progress))
+    result = tune(setting, sources, search_budget, args.seed, _Progress(args.progress), args.workers)
     if result.best is None:
         peaks = [c for c in result.candidates if c.peak is not None]
         smallest = min(peaks, key=lambda c: c.peak, default=None)  # type: ignore[arg-type, return-value]

@@ -40,7 +40,7 @@ from pipec.sim.simulate import simulate
 
 if TYPE_CHECKING:
     from pipec.sim.costs import Costs
-    from pipec.tune.search import Setting
+    from pipec.tune.setting import Setting
 
 MAX_OPS = 64  # 3·P·M·V: beyond it the tree is too large for the bound to close in a tune budget
 MAX_NODES = 2_000_000  # a deterministic cap besides the deadline

@@ -24,7 +24,7 @@ from pipec.ir import MEMORY_TOLERANCE, Kind, Program, loop_placement, v_placemen
 from pipec.passes.list_schedule import NEVER, Candidate, Rules, list_schedule
 
 if TYPE_CHECKING:
-    from pipec.tune.search import Setting
+    from pipec.tune.setting import Setting
 
 POLICIES = ("fill", "gap", "eager")
 _RANK = {Kind.I: 3, Kind.F: 2, Kind.W: 1}

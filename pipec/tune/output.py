@@ -15,7 +15,7 @@ from fractions import Fraction
 from pipec.compiler import compute_orders
 from pipec.emit import dump_text
 from pipec.errors import PipecError
-from pipec.tune.search import OK, Candidate, TuneResult, evaluate
+from pipec.tune.search import _EPSILON, OK, Candidate, TuneResult, evaluate
 
 UNITS = "per-rank-share"
 
@@ -44,6 +44,7 @@ def schedule_text(result: TuneResult, cost_arg: str, output: str = "best.pipe") 
         f"# makespan {best.makespan:g}, bubble {best.bubble:.4f}, peak memory {best.peak:g} per rank share",
         f"# found: {_origin(best)}",
         f"# {_beat(best, result.library_best)}",
+        *(f"# {line}" for line in certificate_text(result).splitlines()),
         f"# check: {shlex.join(check)}",
         f'schedule tuned "tuned by pipec tune for P={p}, M={m}, V={v}: makespan {best.makespan:g}"',
         f"params P = {p}, M = {m}, V = {v}",
@@ -79,6 +80,8 @@ def table_text(result: TuneResult) -> str:
     for index, c in enumerate(result.candidates, 1):
         params = " ".join(f"{k}={v}" for k, v in c.params) + (f" +{c.moves} moves" if c.moves else "")
         verdict = c.verdict if c.ok or not c.reason else f"{c.verdict}: {_short(c.reason)}"
+        if c.ok and c.bound is not None:
+            verdict += f" ({_row_proof(c)})"
         rows.append(
             (
                 str(index) if c.ok else "-",
@@ -112,6 +115,7 @@ def summary_text(result: TuneResult, output: str | None) -> str:
         f"bubble {best.bubble:.4f}, peak {best.peak:g} of limit {s.limit:g} (units per rank share)",
         _beat(best, result.library_best),
     ]
+    lines.append(certificate_text(result))
     if not result.complete:
         lines.append("the time budget ended the search early (--time-budget): a longer one may find better")
     if output is not None:
@@ -146,7 +150,83 @@ def candidates_json(result: TuneResult, text: str | None) -> dict:
             "peak_memory": lib.peak,
         },
         "complete": result.complete,
+        **_certificate_json(result),
         "candidates": [_candidate_json(c) for c in result.candidates],
+    }
+
+
+def certificate_text(result: TuneResult) -> str:
+    """The lower bound beside the result: proved optimal, within X% of optimal, or why there is no bound."""
+    cert, best = result.certificate, result.best
+    if cert is None or cert.skipped:
+        why = "no solver ran" if cert is None else cert.skipped
+        return f"lower bound: none ({why}); the exact phase ran pipec's branch and bound at small sizes only"
+    space = _space(result)
+    bound = cert.bound
+    per = ", ".join(
+        f"V={p.chunks} {p.placement} {'-' if p.bound is None else f'{p.bound:g}'}{' proved' if p.solved else ''}"
+        for p in cert.proofs
+    )
+    relaxed = (
+        f"\nthe bound is for a relaxation of nccl ({cert.model} model: a message takes its time between producer and "
+        "consumer, sends and receives batch freely); nccl may not reach it"
+        if cert.relaxed
+        else ""
+    )
+    if bound is None:
+        return f"lower bound: none over {space} (a solve ended before it had one: per shape {per}){relaxed}"
+    makespan = None if best is None else best.makespan
+    if cert.optimal(makespan):
+        return f"proved optimal: no schedule of {space} is faster than {bound:g} (CP-SAT; per shape {per}){relaxed}"
+    gap = cert.gap(makespan)
+    within = f"within {gap:.1%} of optimal" if gap is not None else "not proved optimal"
+    return f"{within}: lower bound {bound:g} over {space} (CP-SAT; per shape {per}){relaxed}"
+
+
+def _space(result: TuneResult) -> str:
+    cert = result.certificate
+    assert cert is not None
+    chunks = ",".join(str(v) for v in result.setting.chunks)
+    return f"V={chunks} (placements loop{' and v' if any(p.placement == 'v' for p in cert.proofs) else ''})"
+
+
+def _row_proof(c: Candidate) -> str:
+    """A solver row's own certificate: for its V and placement."""
+    assert c.bound is not None and c.program is not None
+    shape = f"V={c.chunks} {'v' if c.name.endswith('-v') else 'loop'}"
+    if c.makespan is not None and c.makespan <= c.bound + _EPSILON:
+        return f"proved optimal for {shape}"
+    gap = (c.makespan - c.bound) / c.bound if c.makespan is not None and c.bound > 0 else None
+    return f"within {gap:.1%} of {shape}'s bound {c.bound:g}" if gap is not None else f"bound {c.bound:g}"
+
+
+def _certificate_json(result: TuneResult) -> dict:
+    cert, best = result.certificate, result.best
+    makespan = None if best is None else best.makespan
+    if cert is None:
+        return {"lower_bound": None, "optimal": False, "gap": None, "bound": None}
+    bound = cert.bound
+    return {
+        "lower_bound": None if bound is None or bound == float("inf") else bound,
+        "optimal": cert.optimal(makespan),
+        "gap": cert.gap(makespan),
+        "bound": {
+            "solver": None if cert.skipped else "cp-sat",
+            "skipped": cert.skipped or None,
+            "model": cert.model,
+            "relaxation": cert.relaxed,
+            "space": {"chunks": list(result.setting.chunks), "placements": ["loop", "v"]},
+            "proofs": [
+                {
+                    "chunks": p.chunks,
+                    "placement": p.placement,
+                    "bound": None if p.bound == float("inf") else p.bound,
+                    "solved": p.solved,
+                    "seconds": round(p.seconds, 3),
+                }
+                for p in cert.proofs
+            ],
+        },
     }
 
 
@@ -161,11 +241,12 @@ def _candidate_json(c: Candidate) -> dict:
         "peak_memory": c.peak,
         "verdict": c.verdict,
         "reason": c.reason,
+        "bound": c.bound,
     }
 
 
 def _origin(c: Candidate) -> str:
-    phase = {1: "a library schedule", 2: "list scheduling under the costs", 3: "local moves", 4: "an exact search"}
+    phase = {1: "a library schedule", 2: "list scheduling under the costs", 3: "local moves", 4: "the exact phase"}
     origin = phase[c.phase]
     moves = f" + {c.moves} local moves" if c.moves else ""
     return f"{c.label()}{moves} ({origin})"

@@ -8,8 +8,10 @@ skipped. Only ok candidates rank: makespan, then peak memory, then name.
 
 Phases: 1, every library schedule and `--from` file over its V and parameters (always completes, so tune is never
 worse than the library); 2, list-scheduled orders (pipec.passes.list_schedule) under the costs and the limit, for
-each V of `--chunks` and placement loop or v; 4, for small sizes (3·P·M·V <= 64), an exact search of the orders
-(pipec.tune.exact), given at most half of the time left; 3, local moves on the best few orders (move one W past
+each V of `--chunks` and placement loop or v; 4, the exact phase, given at most half of the time left: with
+OR-tools, a CP-SAT model per V and placement (pipec.tune.cpsat), warm-started from the best order so far, whose
+lower bounds make the certificate (`Certificate`: proved optimal, or within a gap); without it, for small sizes
+(3·P·M·V <= 64), the branch and bound (pipec.tune.exact); 3, local moves on the best few orders (move one W past
 a neighbour on its rank, either way, or pull one F earlier), a move kept when the result verifies, fits, is not
 slower and moves work earlier (the makespan, then the sum of the ops' end times, decreases: plateaus of the makespan are
 common, and crossing them is what finds the faster orders), in a seeded order, first improvement, until no move
@@ -24,47 +26,26 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+import pipec.tune.cpsat as cpsat
 from pipec.compiler import compute_orders, place_p2p
 from pipec.errors import PipecError
-from pipec.ir import MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas
+from pipec.ir import MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas, loop_placement, v_placement
 from pipec.passes.p2p import insert_p2p_ops
-from pipec.sim.costs import Costs, per_rank_share
+from pipec.sim.costs import Costs
 from pipec.sim.simulate import simulate
 from pipec.tune.exact import ExactResult, exact_candidates
 from pipec.tune.greedy import listed_orders
+from pipec.tune.setting import Setting
 from pipec.tune.space import Draw, draws
 from pipec.verify import verify
-from pipec.verify.memory import memory_profile, share_stage_sizes
+from pipec.verify.memory import memory_profile
 
 OK, OVER, INVALID, ERROR, SKIPPED = "ok", "over-memory", "invalid", "error", "skipped"
 KEEP = 3  # phase 3 improves this many of the best distinct orders
+SOLVER_SHARE = 0.5  # of the time left after phase 2, for phase 4
 _EPSILON = 1e-9  # a makespan gain below it is no gain
 
 Progress = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class Setting:
-    """What tune fits schedules to: sizes, costs and the memory limit, all per rank share of the model."""
-
-    ranks: int
-    microbatches: int
-    costs: Costs  # per rank share (F, I, W of one segment of P)
-    limit: float  # activation units per rank (micro-batches of one rank's share)
-    chunks: tuple[int, ...]
-
-    def stage_costs(self, chunks: int) -> Costs:
-        return per_rank_share(self.costs, self.ranks, chunks)
-
-    def stage_sizes(self, chunks: int) -> tuple[float, ...]:
-        return share_stage_sizes(self.segment_sizes(), self.ranks, chunks)
-
-    def segment_sizes(self) -> Sequence[float] | None:
-        """Activation units of one micro-batch per segment (None: 1 each), from the costs' `activation`."""
-        activation = self.costs.activation
-        if activation is None:
-            return None
-        return activation if isinstance(activation, tuple) else (activation,) * self.ranks
 
 
 @dataclass(frozen=True)
@@ -80,6 +61,7 @@ class Candidate:
     program: Program | None = None  # with send/recv, when evaluated
     moves: int = 0  # local moves applied (phase 3)
     phase: int = 1
+    bound: float | None = None  # phase 4 with the solver: its lower bound for this V and placement
 
     @property
     def ok(self) -> bool:
@@ -94,12 +76,52 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class Proof:
+    """What the solver proved for one V and placement."""
+
+    chunks: int
+    placement: str  # loop or v
+    bound: float | None  # a lower bound on the nccl makespan of every schedule of this V and placement
+    solved: bool  # the solver ended: the bound is the optimum of its model
+    seconds: float = 0.0  # the solve's wall time (to the proof, when solved)
+
+
+@dataclass(frozen=True)
+class Certificate:
+    """The lower bound beside tune's result: over every schedule of the V of --chunks, placed loop or v."""
+
+    proofs: tuple[Proof, ...]
+    model: str  # the solver's model (cpsat.MODEL_IDEAL or MODEL_POSTED)
+    relaxed: bool  # messages cost time: the model is a relaxation of nccl (sends and receives batch freely)
+    skipped: str = ""  # why no solver ran (then proofs is empty)
+
+    @property
+    def bound(self) -> float | None:
+        """The least of the per-(V, placement) bounds: no schedule of the space is faster (None: one is missing)."""
+        if not self.proofs or any(p.bound is None for p in self.proofs):
+            return None
+        return min(p.bound for p in self.proofs)  # type: ignore[type-var]
+
+    def optimal(self, makespan: float | None) -> bool:
+        bound = self.bound
+        return bound is not None and makespan is not None and makespan <= bound + _EPSILON
+
+    def gap(self, makespan: float | None) -> float | None:
+        """(makespan - bound) / bound: how far from optimal at most."""
+        bound = self.bound
+        if bound is None or makespan is None or bound <= 0 or math.isinf(bound):
+            return None
+        return max(0.0, (makespan - bound) / bound)
+
+
+@dataclass(frozen=True)
 class TuneResult:
     setting: Setting
     candidates: tuple[Candidate, ...]  # ok ones ranked first, then the rest in the order tried
     best: Candidate | None
     library_best: Candidate | None  # the best phase-1 candidate (library and --from files)
     complete: bool  # False when the time budget cut phase 2, 3 or 4
+    certificate: Certificate | None = None  # the solver's bound (None: tune ran without it)
 
 
 def evaluate(name: str, params: tuple[tuple[str, int], ...], orders: Program, setting: Setting, **extra) -> Candidate:
@@ -146,6 +168,7 @@ def tune(
     time_budget: float = 60.0,
     seed: int = 0,
     progress: Progress | None = None,
+    workers: int = cpsat.WORKERS,
 ) -> TuneResult:
     """Phases 1 to 3 (module docstring). Phase 1 always completes; `time_budget` seconds, counted from the start,
     bound the others."""
@@ -178,12 +201,19 @@ def tune(
         else:
             note(evaluate(name, (), orders, setting, phase=2), "list scheduling")
 
-    # phase 4, for small sizes: the exact search (exact.py), before the local moves so that they start from it too;
-    # it takes at most half of the time left
-    until = time.monotonic() + max(0.0, deadline - time.monotonic()) / 2
-    for name, v, found in exact_candidates(setting, until):
-        note(_from_exact(name, v, found, setting), "exact search")
-        complete = complete and (isinstance(found, str) or found.optimal)  # a skip is no budget cut
+    # phase 4: the exact phase, before the local moves so that they start from it too; it takes at most
+    # SOLVER_SHARE of the time left. With OR-tools, the CP-SAT model (cpsat.py) at every V; without, the branch
+    # and bound (exact.py) at small sizes.
+    until = time.monotonic() + max(0.0, deadline - time.monotonic()) * SOLVER_SHARE
+    why_not = cpsat.available() or cpsat.refuses(setting.stage_costs(1), setting.ranks)
+    if why_not is None:
+        certificate, solved = _solver_phase(setting, tried, until, seed, note, workers)
+        complete = complete and solved
+    else:
+        certificate = Certificate((), cpsat.MODEL_IDEAL, False, skipped=why_not)
+        for name, v, found in exact_candidates(setting, until):
+            note(_from_exact(name, v, found, setting), "exact search")
+            complete = complete and (isinstance(found, str) or found.optimal)  # a skip is no budget cut
 
     starts = _distinct_best(tried, KEEP)
     for index, candidate in enumerate(starts):
@@ -197,7 +227,91 @@ def tune(
             note(improved, "local moves")
     ranked = sorted((c for c in tried if c.ok), key=Candidate.key)
     rest = [c for c in tried if not c.ok]
-    return TuneResult(setting, (*ranked, *rest), ranked[0] if ranked else None, library_best, complete)
+    return TuneResult(setting, (*ranked, *rest), ranked[0] if ranked else None, library_best, complete, certificate)
+
+
+def _solver_phase(
+    setting: Setting, tried: list[Candidate], deadline: float, seed: int, note: Callable[..., None], workers: int
+) -> tuple[Certificate, bool]:
+    """Phase 4 with CP-SAT: one model per V of --chunks and placement (loop; v too at V > 1), each warm-started
+    from the best verified order of its shape so far, the time to `deadline` shared among the solves left by
+    weight 1/V^2 (one that proves early leaves its rest to the next). Returns the certificate and whether every
+    solve ended."""
+    jobs = [(v, placement) for v in setting.chunks for placement in (("loop", "v") if v > 1 else ("loop",))]
+    proofs: list[Proof] = []
+    model = cpsat.MODEL_IDEAL
+    starved = False  # a solve found no order in its share: the larger models after it would not either
+    for index, (v, placement) in enumerate(jobs):
+        name = "cpsat" if placement == "loop" else "cpsat-v"
+        stages = setting.ranks * v
+        where = loop_placement(setting.ranks, stages) if placement == "loop" else v_placement(setting.ranks, stages)
+        template = Program(
+            name="tuned",
+            ranks=setting.ranks,
+            microbatches=setting.microbatches,
+            chunks=v,
+            stage_to_rank=where,
+            streams=((),) * setting.ranks,
+        )
+        shape = [c for c in tried if c.ok and c.program is not None and c.program.stage_to_rank == where]
+        hint = min(shape, key=Candidate.key).program.compute_streams() if shape else None  # type: ignore[union-attr]
+        # the time left, shared by weight 1/V^2 among the solves left: a smaller model is likelier to be proved
+        # (the model grows with V, and its proofs harder still)
+        weights = [1 / chunks**2 for chunks, _ in jobs[index:]]
+        share = max(0.0, deadline - time.monotonic()) * weights[0] / sum(weights)
+        costs = setting.stage_costs(v)
+        if starved:  # its time goes to the local moves; its bound is the per-rank one
+            bound = cpsat.rank_bound(template, costs)
+            proofs.append(Proof(v, placement, bound, False))
+            why = "not solved: a smaller model found no order in its share of the time budget"
+            note(Candidate(name, (), v, None, None, None, SKIPPED, why, phase=4, bound=bound), "solver")
+            continue
+        found = cpsat.solve(
+            template,
+            costs,
+            setting.limit,
+            setting.costs.input_fraction,
+            setting.stage_sizes(v),
+            share,
+            hint,
+            seed,
+            workers,
+        )
+        model = found.model
+        if found.infeasible:
+            proofs.append(Proof(v, placement, math.inf, True, found.seconds))
+            note(Candidate(name, (), v, None, None, None, ERROR, "no order fits the limit (proved)", phase=4), "solver")
+            continue
+        proofs.append(Proof(v, placement, found.bound, found.optimal, found.seconds))
+        if found.orders is None:
+            starved = True
+            why = "the time budget ended before the solver found an order"
+            note(Candidate(name, (), v, None, None, None, SKIPPED, why, phase=4, bound=found.bound), "solver")
+            continue
+        candidate = evaluate(name, (), found.orders, setting, phase=4, bound=found.bound)
+        if candidate.ok and found.makespan is not None and candidate.makespan > found.makespan + _EPSILON:  # type: ignore[operator]
+            # the order runs slower under nccl than in the model: the same makespan with every op as late as it
+            # allows often closes it (cpsat.solve's `late`)
+            left = max(0.0, deadline - time.monotonic()) * weights[0] / sum(weights)
+            later = cpsat.solve(
+                template,
+                costs,
+                setting.limit,
+                setting.costs.input_fraction,
+                setting.stage_sizes(v),
+                min(left, max(1.0, found.seconds)),
+                found.orders.streams,
+                seed,
+                workers,
+                late=found.makespan,
+            )
+            if later.orders is not None:
+                again = evaluate(name, (), later.orders, setting, phase=4, bound=found.bound)
+                if again.ok and again.key() < candidate.key():
+                    candidate = again
+        note(candidate, "solver")
+    certificate = Certificate(tuple(proofs), model, relaxed=setting.costs.message_time > 0)
+    return certificate, all(p.solved for p in proofs)
 
 
 def _from_draw(draw: Draw, setting: Setting) -> Candidate:

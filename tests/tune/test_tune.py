@@ -90,9 +90,11 @@ def test_text_table_ranks_ok_candidates_first(tmp_path: Path) -> None:
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0].split()[:3] == ["#", "name", "params"]
-    rows = [line.split() for line in lines[1:] if line.strip() and line.split()[0].isdigit()]
-    spans = [float(row[-4]) for row in rows]  # ... makespan bubble peak ok (params may hold several words)
-    assert spans == sorted(spans) and rows[0][0] == "1"
+    rows = [line for line in lines[1:] if line.strip() and line.split()[0].isdigit()]
+    # the makespan column ends where its header does (params and verdicts may hold several words)
+    end = lines[0].index("makespan") + len("makespan")
+    spans = [float(row[:end].split()[-1]) for row in rows]
+    assert spans == sorted(spans) and rows[0].split()[0] == "1"
     assert any("over-memory" in line for line in lines)  # gpipe holds M = 6 > 3
     assert any(line.startswith("best: ") for line in lines)
 
@@ -102,7 +104,12 @@ def test_same_seed_same_result(tmp_path: Path) -> None:
     second, _ = tune_json(tmp_path, "--seed", "7")
     if first["complete"] and second["complete"]:  # a budget cut may stop at different points; a full search may not
         assert first["schedule"] == second["schedule"]
-    assert first["candidates"][: len(first["candidates"]) // 2] == second["candidates"][: len(first["candidates"]) // 2]
+    # the library and the list schedules do not depend on time; the solver's and the local moves' rows may (a
+    # budget cut under load), so they are left out of the comparison unless the search completed
+    def timeless(data: dict) -> list[dict]:
+        return [c for c in data["candidates"] if not c["name"].startswith("cpsat") and not c["moves"]]
+
+    assert timeless(first) == timeless(second)
 
 
 def test_a_limit_parameter_of_a_from_file_takes_the_values_within_the_limit(tmp_path: Path) -> None:

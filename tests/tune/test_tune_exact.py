@@ -22,7 +22,7 @@ from pipec.errors import PipecError
 from pipec.ir import Action, Kind, Program, loop_placement
 from pipec.sim.costs import parse_costs
 from pipec.sim.simulate import simulate
-from pipec.tune import Setting, library_sources, tune
+from pipec.tune import Setting, cpsat, library_sources, tune
 from pipec.tune.exact import exact_candidates, exact_orders, small_enough
 from pipec.tune.greedy import listed_orders
 from pipec.verify.memory import memory_profile
@@ -173,9 +173,14 @@ def test_zero_durations_are_skipped_once_with_the_reason() -> None:
 
 
 @pytest.mark.parametrize(("cost", "limit"), [("F=1,I=1,W=1", 2), ("F=1,I=2,W=1,comm=0.5", 1.5)])
-def test_tune_lists_the_exact_candidate_and_is_never_worse(cost: str, limit: float) -> None:
+def test_tune_lists_the_exact_candidate_and_is_never_worse(
+    cost: str, limit: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the branch and bound is tune's exact phase where OR-tools is missing: here as if it were
+    monkeypatch.setattr(cpsat, "available", lambda: "OR-tools is not installed (as the test pretends)")
     setting = Setting(2, 3, parse_costs(cost), limit, (1,))
     result = tune(setting, library_sources(), time_budget=4)
+    assert result.certificate is not None and "not installed" in result.certificate.skipped
     exact = [c for c in result.candidates if c.name == "exact" and c.phase == 4]
     assert len(exact) == 1 and exact[0].ok, exact
     assert result.best is not None and result.best.makespan <= exact[0].makespan + 1e-9

@@ -1,0 +1,427 @@
+"""The exact phase of `pipec tune` on a real solver: a CP-SAT model (Google OR-tools) of pipec's own cost model.
+
+CP-SAT fits the problem as stated: each op is an interval of fixed length, a rank runs one at a time
+(no-overlap), the data dependencies are precedences with the message time, and the memory a rank holds along its
+order is a cumulative (each activation an interval from its forward to its free). Its lower bound is what makes
+the certificate.
+The solver is an optional dependency of tune only (`pip install pipec[tune]`); without it `available()` says
+why and tune runs its branch and bound (pipec.tune.exact) at small sizes instead.
+
+The model, per (V, placement), ops (stage s, kind k in F/I/W, micro-batch m) of the P·V stages:
+
+- **variables**: the start of each op, an integer in a unit that divides every duration and the message time
+  (exact: no float rounding); with `comm > 0` and `overlap=0`, also the start of each message's *post*: the
+  sender's rank spends `message_time` on it (pipec.sim: posting holds the host), after the producer ends;
+- **no-overlap** per rank over its ops and its posts (any order: a rank may wait while another op is ready);
+- **precedences**: F(s, m) after F(s-1, m); I(s, m) after F(s, m) and I(s+1, m); W(s, m) after I(s, m); across
+  ranks the consumer starts `message_time` after the producer ends (or after the post starts, with posts);
+- **memory**, exactly as pipec/verify/memory.py counts it along each rank's order: F adds the stage's size, I
+  frees `input_fraction` of it and W the rest, each at its start; with positive durations no two ops of a rank
+  start together, so the live count at each start is the verifier's count after that op, and it stays within
+  the limit (sizes and limit scaled to integers; a cumulative, `_memory`). Redundant cuts make the memory bite
+  in the bound: each activation lives at least as long as the chain of work between its forward and its free;
+  the memory-time of a rank fits under limit x makespan; the precedences the limit implies for one stage alone
+  (F(s, m) waits for some I and W of earlier micro-batches); and the stage's live count after each forward as
+  a sum of "before" Booleans, which the LP sees (measured at P=8, M=24, limit 4: root bound 104 with the
+  cumulative alone, 162 with the cuts; the optimum is 170);
+- **symmetry**: each stage runs its F, its I and its W in micro-batch order (pipec's counters), without loss:
+  micro-batches are interchangeable, and relabelling every schedule so that the k-th F (I, W) a stage runs is
+  micro-batch k keeps it valid (by the start of its k-th op a stage has consumed k distinct inputs, so the k-th
+  of them has ended) and keeps every rank's memory profile (the deltas depend on stage and kind only); so the
+  bound holds for every order, not only for counter orders;
+- **objective**: the makespan (every op ends by it), warm-started from the best order tune found so far.
+
+What is exact and what is relaxed: the model is pipec's `ideal` p2p model (with the posting cost when
+`overlap=0`), which never times a compute order later than `nccl` does (nccl also waits for whole batches and
+runs a rank's batches in order). So the solver's bound is a lower bound on the nccl makespan of every schedule of
+that V and placement; at `comm = 0` it is the ideal model's optimum and nccl reaches it when the send/recv
+placement adds no wait; with messages it is the bound of a relaxation (free batching of sends and receives).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from fractions import Fraction
+
+from pipec.ir import MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas
+from pipec.sim.costs import Costs
+
+KINDS = (Kind.F, Kind.I, Kind.W)
+_F, _I, _W = 0, 1, 2
+MODEL_IDEAL = "ideal"  # messages take message_time between producer and consumer, nothing else
+MODEL_POSTED = "posted sends"  # and the sender's rank spends message_time posting each send (overlap=0)
+WINDOW = 16  # the most Booleans per forward in the counted memory cut (_counted)
+WORKERS = 1  # CP-SAT's default here: one worker is deterministic (the same input, the same orders); more are not
+
+
+@dataclass(frozen=True)
+class SolverResult:
+    """One solve: the best orders found and what the solver proved about them."""
+
+    orders: Program | None  # the best compute orders found (None: none found in time, or none fits)
+    makespan: float | None  # their makespan in the model (the solver's objective)
+    bound: float | None  # a lower bound on the model's makespan of every order of this V and placement
+    optimal: bool  # the solver proved makespan == bound
+    infeasible: bool  # the solver proved that no order fits the memory limit
+    model: str  # MODEL_IDEAL or MODEL_POSTED
+    seconds: float  # wall time of the solve
+
+
+def available() -> str | None:
+    """None when CP-SAT can be imported, else why not (for the table and the summary)."""
+    try:
+        from ortools.sat.python import cp_model  # noqa: F401
+    except ImportError:
+        return "OR-tools is not installed (pip install 'pipec[tune]' for the exact phase)"
+    return None
+
+
+def refuses(costs: Costs, ranks: int) -> str | None:
+    """Why the model cannot take these costs (P stages at V = 1; a V divides them all alike), or None."""
+    table = costs.per_stage(ranks)
+    if min(min(table[k]) for k in KINDS) <= 0:
+        return "an op of zero duration (the exact phase needs positive durations)"
+    return None
+
+
+class _Instance:
+    """The numbers of one problem in integer units: durations, message time, memory deltas and limit."""
+
+    def __init__(
+        self,
+        template: Program,
+        costs: Costs,
+        limit: float | None,
+        input_fraction: float,
+        stage_sizes: Sequence[float] | None,
+    ) -> None:
+        self.template = template
+        self.ranks, self.n_mb = template.ranks, template.microbatches
+        self.where = template.stage_to_rank
+        self.stages = template.num_stages
+        table = costs.per_stage(self.stages)
+        exact = [[Fraction(str(table[k][s])) for k in KINDS] for s in range(self.stages)]
+        message = Fraction(str(costs.message_time))
+        self.scale = math.lcm(message.denominator, *(d.denominator for row in exact for d in row))
+        self.dur = [[int(d * self.scale) for d in row] for row in exact]
+        self.delay = int(message * self.scale)
+        self.model = MODEL_POSTED if self.delay > 0 and not costs.overlap else MODEL_IDEAL
+        sizes = [Fraction(1)] * self.stages if stage_sizes is None else [Fraction(str(x)) for x in stage_sizes]
+        deltas = activation_deltas(input_fraction)
+        change = [[Fraction(str(deltas[k])) * sizes[s] for k in KINDS] for s in range(self.stages)]
+        self.limit: int | None = None
+        bound = None if limit is None else Fraction(str(limit)) + Fraction(str(MEMORY_TOLERANCE))
+        self.memory_scale = math.lcm(*(c.denominator for row in change for c in row), 1)
+        if bound is not None:
+            self.memory_scale = math.lcm(self.memory_scale, Fraction(str(limit)).denominator)
+            self.limit = math.floor(bound * self.memory_scale)
+        self.change = [[int(c * self.memory_scale) for c in row] for row in change]
+
+    def chain(self, s: int, k: int) -> int:
+        """The least time from the start of F(s, m) to the start of its I (k = I) or W (k = W): the forward
+        through the later stages, the input gradients back, and the messages between ranks on the way (a post
+        holds its sender, not the message: the consumer may start message_time after the producer ends)."""
+        t = self.dur[s][_F]
+        for t_stage in range(s + 1, self.stages):  # forwards onwards
+            t += (self.delay if self.where[t_stage] != self.where[t_stage - 1] else 0) + self.dur[t_stage][_F]
+        for t_stage in range(self.stages - 2, s - 1, -1):  # input gradients back to stage s (its own I excluded)
+            cross = self.where[t_stage] != self.where[t_stage + 1]
+            t += self.dur[t_stage + 1][_I] + (self.delay if cross else 0)
+        return t + (self.dur[s][_I] if k == _W else 0)
+
+    def chain_to(self, s: int) -> int:
+        """The earliest start of F(s, m): the forwards of the stages before it and their messages."""
+        t = 0
+        for t_stage in range(1, s + 1):
+            cross = self.where[t_stage] != self.where[t_stage - 1]
+            t += self.dur[t_stage - 1][_F] + (self.delay if cross else 0)
+        return t
+
+    def rank_bound(self) -> int:
+        """The largest over ranks of its first forward's earliest start plus all its work (and posts)."""
+        post = self.delay if self.model == MODEL_POSTED else 0
+        best = 0
+        for rank in range(self.ranks):
+            mine = [op for op in self.ops() if self.where[op[0]] == rank]
+            if mine:
+                head = min(self.chain_to(s) for s, _, _ in mine)
+                work = sum(self.dur[s][k] + (post if self.sends((s, k, m)) else 0) for s, k, m in mine)
+                best = max(best, head + work)
+        return best
+
+    def ops(self) -> list[tuple[int, int, int]]:
+        return [(s, k, m) for s in range(self.stages) for k in range(3) for m in range(self.n_mb)]
+
+    def inputs(self, s: int, k: int, m: int) -> list[tuple[int, int, int]]:
+        """The ops whose output this one consumes (its data dependencies)."""
+        if k == _F:
+            return [(s - 1, _F, m)] if s > 0 else []
+        if k == _I:
+            return [(s, _F, m)] + ([(s + 1, _I, m)] if s < self.stages - 1 else [])
+        return [(s, _I, m)]
+
+    def crosses(self, producer: tuple[int, int, int], consumer: tuple[int, int, int]) -> bool:
+        return self.where[producer[0]] != self.where[consumer[0]]
+
+    def sends(self, op: tuple[int, int, int]) -> bool:
+        """Whether the op's output goes to another rank (an F to the next stage, an I to the previous one)."""
+        s, k, _ = op
+        target = s + 1 if k == _F else s - 1 if k == _I else -1
+        return 0 <= target < self.stages and self.where[target] != self.where[s]
+
+    def earliest(self, streams: Sequence[Sequence[Action]]) -> dict[tuple[int, int, int], int] | None:
+        """Each op's start when every rank runs its order as early as the model allows (posts right after their
+        producer), or None when the order cannot run (a rank waits for an op placed later on another)."""
+        index = {kind: i for i, kind in enumerate(KINDS)}
+        orders = [[(a.stage, index[a.kind], a.mb) for a in stream if a.kind in index] for stream in streams]
+        if sum(map(len, orders)) != self.stages * 3 * self.n_mb:
+            return None
+        post = self.delay if self.model == MODEL_POSTED else 0
+        start: dict[tuple[int, int, int], int] = {}
+        end: dict[tuple[int, int, int], int] = {}
+        pos, free = [0] * self.ranks, [0] * self.ranks
+        moved = True
+        while moved:
+            moved = False
+            for rank, order in enumerate(orders):
+                while pos[rank] < len(order):
+                    op = order[pos[rank]]
+                    at = free[rank]
+                    for p in self.inputs(*op):
+                        if p not in end:
+                            break
+                        at = max(at, end[p] + (self.delay if self.crosses(p, op) else 0))
+                    else:
+                        start[op] = at
+                        end[op] = at + self.dur[op[0]][op[1]]
+                        free[rank] = end[op] + (post if self.sends(op) else 0)
+                        pos[rank] += 1
+                        moved = True
+                        continue
+                    break
+        return start if len(start) == len(end) == self.stages * 3 * self.n_mb else None
+
+
+def _memory(model, inst: _Instance, start: dict, makespan, orders: list[tuple]) -> list[tuple]:
+    """Each rank's live activations within the limit, as a cumulative: micro-batch m of stage s holds the part I
+    frees from F's start to I's start and the rest from F's start to W's start. At the start of any op the sum
+    is the verifier's count after that op (an interval ends where its free starts), and between starts it is
+    constant. Each interval is at least as long as the chain of work between its ends (F through the later
+    stages and back): that is what lets the solver bound the makespan by memory (Little's law: M micro-batches,
+    each holding memory for at least that long, through a limit). A reservoir says the same, but CP-SAT expands
+    it into a Boolean for every pair of a rank's ops: measured far slower."""
+    demands: list[tuple[list, list, list]] = [([], [], []) for _ in range(inst.ranks)]
+    lengths = []  # (variable, the forward, the op that frees): to hint
+    for s in range(inst.stages):
+        rank = inst.where[s]
+        for k in (_I, _W):
+            demand = -inst.change[s][k]
+            if demand <= 0:
+                continue
+            least = inst.chain(s, k)
+            for m in range(inst.n_mb):
+                lo, hi = start[(s, _F, m)], start[(s, k, m)]
+                length = model.new_int_var(least, 10**9, f"h{s},{k},{m}")
+                lengths.append((length, (s, _F, m), (s, k, m)))
+                demands[rank][0].append(model.new_interval_var(lo, length, hi, f"l{s},{k},{m}"))
+                demands[rank][1].append(demand)
+                demands[rank][2].append(demand * length)
+    _implied_precedences(model, inst, start, orders)
+    for rank, (intervals, amounts, areas) in enumerate(demands):
+        if intervals:
+            model.add_cumulative(intervals, amounts, inst.limit)
+            # the same as a sum the LP sees: the memory-time a rank's intervals cover fits under the limit between
+            # its first forward's earliest start and its last W (a cut, redundant with the cumulative)
+            first = min(inst.chain_to(s) for s in range(inst.stages) if inst.where[s] == rank)
+            last = min(inst.dur[s][_W] for s in range(inst.stages) if inst.where[s] == rank)
+            model.add(sum(areas) <= inst.limit * (makespan - first - last))
+    return lengths
+
+
+def _implied_precedences(model, inst: _Instance, start: dict, orders: list[tuple]) -> None:
+    """What the limit implies for one stage alone, as precedences (redundant, but they propagate at once): after
+    F(s, m) the stage holds (m + 1 - f·i - (1 - f)·w) of its size, i and w being the I and W it has run
+    (w <= i <= m, f the input fraction), and the rank's other stages hold no less than nothing; so F(s, m) waits
+    for the stage's I number ceil(m + 1 - L/size) - 1 and W number ceil((m + 1 - f·m - L/size) / (1 - f)) - 1."""
+    assert inst.limit is not None
+    limit = Fraction(inst.limit, inst.memory_scale)
+    for s in range(inst.stages):
+        size = Fraction(inst.change[s][_F], inst.memory_scale)
+        if size <= 0:
+            continue
+        room = limit / size
+        free_i = Fraction(-inst.change[s][_I], inst.change[s][_F])  # the input fraction, exactly
+        for m in range(inst.n_mb):
+            f = start[(s, _F, m)]
+            need_i = math.ceil(m + 1 - room)
+            if 0 < need_i <= m:
+                model.add(f >= start[(s, _I, need_i - 1)] + inst.dur[s][_I])
+            need_w = 0
+            if free_i < 1:
+                need_w = math.ceil((m + 1 - free_i * m - room) / (1 - free_i))
+                if 0 < need_w <= m:
+                    model.add(f >= start[(s, _W, need_w - 1)] + inst.dur[s][_W])
+            _counted(model, inst, start, s, m, max(0, need_i), max(0, need_w), orders)
+
+
+def _counted(
+    model, inst: _Instance, start: dict, s: int, m: int, sure_i: int, sure_w: int, orders: list[tuple]
+) -> None:
+    """The stage's own live count after F(s, m) as a sum the LP sees: a Boolean per I and W of the stage that
+    may or may not come before F(s, m) (the first `sure_i` I and `sure_w` W surely do, micro-batches m and later
+    surely not), ordered as the counters run them. Redundant with the cumulative, which bounds the makespan
+    through memory only weakly."""
+    assert inst.limit is not None
+    if m - sure_i + m - sure_w > WINDOW:
+        return
+    f = start[(s, _F, m)]
+    before = {}
+    for k, sure in ((_I, sure_i), (_W, sure_w)):
+        previous = None
+        for j in range(sure, m):
+            b = model.new_bool_var(f"c{s},{k},{j},{m}")
+            op = start[(s, k, j)]
+            model.add(op + inst.dur[s][k] <= f).only_enforce_if(b)
+            model.add(f + inst.dur[s][_F] <= op).only_enforce_if(~b)
+            if previous is not None:
+                model.add_implication(b, previous)  # the counters: micro-batch j before j + 1
+            previous = b
+            before[(k, j)] = b
+            orders.append((b, (s, k, j), (s, _F, m)))
+    for (k, j), b in before.items():
+        if k == _W and (_I, j) in before:
+            model.add_implication(b, before[(_I, j)])  # W(s, j) after I(s, j)
+    live = inst.change[s][_F] * (m + 1) + inst.change[s][_I] * sure_i + inst.change[s][_W] * sure_w
+    model.add(live + sum(inst.change[s][k] * b for (k, _), b in before.items()) <= inst.limit)
+
+
+def rank_bound(template: Program, costs: Costs) -> float:
+    """A lower bound on the makespan without solving (the per-rank one: `_Instance.rank_bound`), for a shape the
+    solver is not given time for."""
+    inst = _Instance(template, costs, None, 0.5, None)
+    return inst.rank_bound() / inst.scale
+
+
+def solve(
+    template: Program,
+    costs: Costs,
+    limit: float | None,
+    input_fraction: float,
+    stage_sizes: Sequence[float] | None,
+    seconds: float,
+    hint: Sequence[Sequence[Action]] | None = None,
+    seed: int = 0,
+    workers: int = WORKERS,
+    late: float | None = None,
+) -> SolverResult:
+    """The least-makespan compute orders for `template`'s P, M, V and placement (module docstring), within
+    `seconds` of solver time. `hint`: per-rank compute orders to start from (the best tune has). `workers`:
+    CP-SAT's parallel portfolio (faster proofs on idle cores, but then not deterministic). Durations must
+    be positive (the memory intervals read a rank's order from distinct start times). `late`: instead, among
+    the orders of makespan at most `late`, one that runs every op as late as it allows (the greatest sum of
+    starts): an optimal order with slack left early can lose time under nccl, where a receive posted with
+    slack joins a batch that a later input holds back."""
+    from ortools.sat.python import cp_model
+
+    began = time.monotonic()
+    inst = _Instance(template, costs, limit, input_fraction, stage_sizes)
+    if min(min(row) for row in inst.dur) <= 0:
+        raise ValueError("the CP-SAT model needs positive durations")
+    model = cp_model.CpModel()
+    ops = inst.ops()
+    post = inst.delay if inst.model == MODEL_POSTED else 0
+    # a horizon every order's earliest timing meets: its critical path is a chain of ops, posts and messages
+    horizon = sum(inst.dur[s][k] for s, k, _ in ops) + sum((inst.delay + post) for op in ops if inst.sends(op))
+    start = {op: model.new_int_var(0, horizon, f"s{op}") for op in ops}
+    per_rank: list[list] = [[] for _ in range(inst.ranks)]
+    for op in ops:
+        s, k, _ = op
+        rank = inst.where[s]
+        per_rank[rank].append(model.new_fixed_size_interval_var(start[op], inst.dur[s][k], f"i{op}"))
+    # when a consumer on another rank may start after each producer's end: + message_time, after its post
+    ready: dict[tuple[int, int, int], object] = {}
+    posts: dict[tuple[int, int, int], object] = {}
+    for op in ops:
+        s, k, _ = op
+        end = start[op] + inst.dur[s][k]
+        if inst.sends(op) and post:
+            posted = model.new_int_var(0, horizon, f"p{op}")
+            model.add(posted >= end)
+            per_rank[inst.where[s]].append(model.new_fixed_size_interval_var(posted, post, f"q{op}"))
+            posts[op] = posted
+            ready[op] = posted + inst.delay
+        else:
+            ready[op] = end + (inst.delay if inst.sends(op) else 0)
+    for op in ops:
+        for p in inst.inputs(*op):
+            model.add(start[op] >= (ready[p] if inst.crosses(p, op) else start[p] + inst.dur[p[0]][p[1]]))
+    for intervals in per_rank:
+        model.add_no_overlap(intervals)
+    for s, k, m in ops:  # counter order, without loss (module docstring, "symmetry")
+        if m + 1 < inst.n_mb:
+            model.add(start[(s, k, m + 1)] >= start[(s, k, m)] + inst.dur[s][k])
+    makespan = model.new_int_var(0, horizon, "makespan")
+    # a rank starts no earlier than its first forward can, then runs all its work and posts one at a time
+    # (CP-SAT's no-overlap does not give the LP this: at loose memory its bound stayed far below it)
+    model.add(makespan >= inst.rank_bound())
+    befores: list[tuple] = []  # (Boolean, op a, op b): a starts before b, to hint
+    lengths = _memory(model, inst, start, makespan, befores) if inst.limit is not None else []
+    for op in ops:
+        if op[1] == _W:  # every op is followed by a W of its stage and micro-batch (posts by their consumers)
+            model.add(makespan >= start[op] + inst.dur[op[0]][_W])
+    if late is None:
+        model.minimize(makespan)
+    else:
+        model.add(makespan <= round(late * inst.scale))
+        model.maximize(sum(start.values()))
+    if hint is not None:
+        times = inst.earliest(hint)
+        if times is not None:
+            for op, at in times.items():
+                model.add_hint(start[op], at)
+                if op in posts:
+                    model.add_hint(posts[op], at + inst.dur[op[0]][op[1]])
+            for length, lo, hi in lengths:
+                model.add_hint(length, times[hi] - times[lo])
+            for b, first, then in befores:
+                model.add_hint(b, times[first] < times[then])
+            model.add_hint(makespan, max(at + inst.dur[s][k] for (s, k, _), at in times.items()))
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.05, seconds - (time.monotonic() - began))
+    solver.parameters.num_workers = workers
+    solver.parameters.random_seed = seed
+    status = solver.solve(model)
+    took = time.monotonic() - began
+    if status == cp_model.INFEASIBLE and late is None:
+        return SolverResult(None, None, None, False, True, inst.model, took)
+    # a solve stopped before its own bound passed the per-rank one still has that one
+    bound = max(math.ceil(solver.best_objective_bound - 1e-6), inst.rank_bound()) / inst.scale
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        known = bound if status == cp_model.UNKNOWN and late is None else None  # `late` maximises: no makespan bound
+        return SolverResult(None, None, known, False, False, inst.model, took)
+    streams = []
+    for rank in range(inst.ranks):
+        mine = sorted((solver.value(start[op]), op) for op in ops if inst.where[op[0]] == rank)
+        streams.append(tuple(Action(s, KINDS[k], m) for _, (s, k, m) in mine))
+    orders = replace(template, streams=tuple(streams), has_comms=False)
+    if late is not None:
+        value = solver.value(makespan) / inst.scale
+        return SolverResult(orders, value, None, False, False, inst.model, took)
+    value = solver.objective_value / inst.scale
+    return SolverResult(orders, value, bound, status == cp_model.OPTIMAL, False, inst.model, took)
+
+
+__all__ = [
+    "KINDS",
+    "MODEL_IDEAL",
+    "MODEL_POSTED",
+    "WORKERS",
+    "SolverResult",
+    "available",
+    "rank_bound",
+    "refuses",
+    "solve",
+]

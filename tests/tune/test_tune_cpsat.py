@@ -1,0 +1,146 @@
+"""The CP-SAT exact phase of `pipec tune` (pipec/tune/cpsat.py) and its certificate, against a brute force.
+
+The brute force is test_tune_exact.py's: every per-rank order of the ops (within the verifier's memory profile),
+every combination simulated by pipec.sim in the ideal and the nccl models. It is independent of the solver: it
+neither builds intervals nor reads the solver's bound. What must hold:
+
+- the solver's bound never exceeds the least nccl makespan of any schedule (it is a lower bound for what runs),
+  and at comm = 0 a proved optimum equals the brute force's ideal optimum (the model is the ideal model);
+- tune's reported bound never exceeds its makespan, and when tune says `proved optimal` no schedule the brute
+  force finds is faster;
+- its orders are what it claims: within the limit as the verifier counts it, at the makespan it gives.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from cli_capture import run_main
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from test_tune_exact import brute_force
+
+from pipec.ir import Program, loop_placement, v_placement
+from pipec.sim.costs import parse_costs
+from pipec.sim.simulate import simulate
+from pipec.tune import Setting, cpsat, library_sources, tune
+from pipec.verify.memory import memory_profile
+
+pytestmark = pytest.mark.skipif(cpsat.available() is not None, reason="OR-tools is not installed")
+
+
+def solve(ranks: int, microbatches: int, cost: str | dict, limit: float, chunks: int = 1, placement: str = "loop"):
+    stages = ranks * chunks
+    where = loop_placement(ranks, stages) if placement == "loop" else v_placement(ranks, stages)
+    template = Program("t", ranks, microbatches, chunks, where, ((),) * ranks)
+    setting = Setting(ranks, microbatches, parse_costs(cost), limit, (chunks,))
+    found = cpsat.solve(
+        template,
+        setting.stage_costs(chunks),
+        limit,
+        setting.costs.input_fraction,
+        setting.stage_sizes(chunks),
+        seconds=20,
+        workers=1,
+    )
+    return found, setting
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ranks=st.integers(2, 3),
+    microbatches=st.integers(2, 3),
+    f=st.sampled_from([1, 2]),
+    i=st.sampled_from([1, 2]),
+    w=st.sampled_from([1, 2]),
+    comm=st.sampled_from([0, 0, 0.5]),
+    limit=st.sampled_from([1, 1.5, 2, 3]),
+)
+@example(ranks=2, microbatches=3, f=1, i=1, w=1, comm=0.5, limit=1.5)  # a post holds the sender, not the message
+@example(ranks=3, microbatches=2, f=1, i=2, w=1, comm=0, limit=1)
+def test_the_bound_is_below_every_schedule_and_a_proof_is_the_brute_force_optimum(
+    ranks: int, microbatches: int, f: int, i: int, w: int, comm: float, limit: float
+) -> None:
+    if ranks == 3 and microbatches == 3 and limit >= 2:
+        microbatches = 2  # keeps the brute force's product of per-rank orders small
+    cost = f"F={f},I={i},W={w},comm={comm}"
+    found, _ = solve(ranks, microbatches, cost, limit)
+    ideal, nccl = brute_force(ranks, microbatches, cost, limit)
+    if ideal is None:  # nothing fits: the solver proves it too
+        assert found.infeasible and found.orders is None
+        return
+    assert found.optimal and found.bound is not None and found.orders is not None
+    assert found.bound <= nccl + 1e-9  # a lower bound on what runs
+    if comm == 0:
+        assert found.bound == pytest.approx(ideal)  # the ideal model, solved exactly
+    else:  # posting costs time: between the ideal model and nccl
+        assert ideal - 1e-9 <= found.bound
+    costs = parse_costs(cost)
+    assert all(max(memory_profile(s)) <= limit + 1e-9 for s in found.orders.streams)
+    if comm == 0:  # the orders take the makespan claimed in the model solved
+        assert simulate(found.orders, costs, p2p="ideal").makespan == pytest.approx(found.makespan)
+
+
+def test_v_placement_and_per_stage_costs_against_the_simulator() -> None:
+    # V = 2 in the V shape with a last stage twice as slow: the orders fit and take their makespan (ideal model)
+    cost = {"F": [1, 1, 2], "I": [1, 1, 2], "W": [1, 1, 2]}
+    found, setting = solve(3, 3, cost, 2, chunks=2, placement="v")
+    assert found.optimal and found.orders is not None and found.orders.stage_to_rank == v_placement(3, 6)
+    sizes = setting.stage_sizes(2)
+    assert all(max(memory_profile(s, 0.5, sizes)) <= 2 + 1e-9 for s in found.orders.streams)
+    span = simulate(found.orders, setting.stage_costs(2), p2p="ideal").makespan
+    assert span == pytest.approx(found.makespan)
+    # a lower bound that any V = 2 library order respects: v_min, verified within 2 units, is no faster
+    result = tune(Setting(3, 3, parse_costs(cost), 2, (2,)), [("zbv_mem", "zbv_mem")], time_budget=10)
+    assert result.certificate is not None and result.certificate.bound is not None
+    assert all(c.makespan >= result.certificate.bound - 1e-9 for c in result.candidates if c.ok)
+
+
+@pytest.mark.parametrize(("cost", "limit"), [("F=1,I=2,W=1", 2), ("F=1,I=1,W=1,comm=0.5", 1.5)])
+def test_tune_reports_a_bound_below_its_makespan_and_a_proof_agrees_with_the_brute_force(
+    cost: str, limit: float
+) -> None:
+    result = tune(Setting(2, 3, parse_costs(cost), limit, (1,)), library_sources(), time_budget=8)
+    cert, best = result.certificate, result.best
+    assert cert is not None and not cert.skipped and best is not None
+    assert cert.bound is not None and cert.bound <= best.makespan + 1e-9
+    assert cert.relaxed == ("comm" in cost)
+    _, nccl = brute_force(2, 3, cost, limit)
+    assert best.makespan >= nccl - 1e-9  # nothing beats the optimum
+    if cert.optimal(best.makespan):
+        assert best.makespan == pytest.approx(nccl)
+
+
+def test_the_certificate_in_the_table_the_header_and_json(tmp_path: Path) -> None:
+    out = tmp_path / "best.pipe"
+    argv = ["tune", "-P", "2", "-M", "3", "--cost", "F=1,I=2,W=1", "--memory-limit", "2", "--chunks", "1"]
+    code, text, err = run_main([*argv, "--time-budget", "8", "-o", str(out)], tmp_path)
+    assert code == 0, err
+    assert "proved optimal: no schedule of V=1" in text
+    header = [line for line in out.read_text().splitlines() if line.startswith("#")]
+    assert any(line.startswith("# proved optimal") for line in header)
+    code, raw, err = run_main([*argv, "--time-budget", "8", "--format", "json"], tmp_path)
+    data = json.loads(raw)
+    assert code == 0 and data["optimal"] is True and data["lower_bound"] == pytest.approx(data["makespan"])
+    assert data["bound"]["solver"] == "cp-sat" and data["bound"]["relaxation"] is False
+    (proof,) = data["bound"]["proofs"]
+    assert proof["bound"] == data["lower_bound"] and proof["solved"] is True and proof["seconds"] > 0
+
+
+def test_with_messages_the_bound_says_it_is_for_a_relaxation(tmp_path: Path) -> None:
+    argv = ["tune", "-P", "2", "-M", "3", "--cost", "F=1,I=1,W=1,comm=0.5", "--memory-limit", "2", "--chunks", "1"]
+    code, text, err = run_main([*argv, "--time-budget", "8"], tmp_path)
+    assert code == 0, err
+    assert "the bound is for a relaxation of nccl" in text
+
+
+def test_without_or_tools_tune_says_what_it_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpsat, "available", lambda: "OR-tools is not installed (as the test pretends)")
+    argv = ["tune", "-P", "2", "-M", "2", "--cost", "F=1,I=1,W=1", "--memory-limit", "2", "--chunks", "1"]
+    code, raw, err = run_main([*argv, "--time-budget", "4", "--format", "json"], tmp_path)
+    data = json.loads(raw)
+    assert code == 0, err
+    assert data["lower_bound"] is None and data["optimal"] is False and "not installed" in data["bound"]["skipped"]
+    assert any(c["name"] == "exact" for c in data["candidates"])  # the branch and bound ran instead

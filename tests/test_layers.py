@@ -246,3 +246,42 @@ def test_the_circle_check_finds_a_circle_added_on_purpose() -> None:
     sources["pipec.ir"] = sources["pipec.ir"] | {"pipec.sim.costs"}
     assert any("pipec.ir" in c for c in import_cycles(import_graph(sources)))
     assert any("pipec.ir" in c for c in import_cycles(package_graph(import_graph(sources))))
+
+
+# The rooms stay small (docs/architecture.md, "Sizes"): a module over 600 lines holds more than one idea, and a
+# function over 120 lines more than one step. The exceptions are hot loops whose local-variable style is a measured
+# choice, each named with the benchmark that measures it.
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 600, 120
+HOT_LOOPS = {
+    "pipec.sim.hosts.run_hosts": "bench/simulate.py, the nccl column",
+    "pipec.verify.flat.flatten": "bench/check.py, the verify column",
+}
+
+
+def long_functions(path: Path) -> dict[str, int]:
+    """Every function of a module (methods and nested ones too) longer than the limit: dotted name -> lines."""
+    found = {}
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > MAX_FUNCTION_LINES:
+                found[f"{module_name(path)}.{node.name}"] = lines
+    return found
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: module_name(p))
+def test_rooms_stay_small(path: Path) -> None:
+    lines = path.read_text(encoding="utf-8").count("\n")
+    assert lines <= MAX_MODULE_LINES, f"{module_name(path)} has {lines} lines: split it by responsibility"
+    long = {name: n for name, n in long_functions(path).items() if name not in HOT_LOOPS}
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_the_hot_loops_named_exist_and_are_documented() -> None:
+    architecture = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    for name, bench in HOT_LOOPS.items():
+        module, _, function = name.rpartition(".")
+        path = PACKAGE.parent.joinpath(*module.split(".")).with_suffix(".py")
+        assert f"def {function}(" in path.read_text(encoding="utf-8"), f"{name} is gone: update HOT_LOOPS"
+        assert f"`{module.removeprefix('pipec.').replace('.', '/')}.py` `{function}`" in architecture, name
+        assert bench.split(",")[0] in architecture, bench

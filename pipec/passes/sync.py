@@ -7,8 +7,11 @@ Contract (Program with send/recv in -> the same with SYNCs and ``sync_groups``):
   whose stages are all on one rank needs none.
 - where: on each member rank, after the instruction holding the rank's last backward-for-weights of the group's
   stages (a stage's last W, or its last B when it has no W), then past the sends that follow that instruction, so
-  that the SYNC never waits on a peer that waits on this rank's message.
-- groups are placed in group order; two SYNCs at one point keep that order on every member.
+  that the SYNC never waits on a peer that waits on this rank's message; and never before the rank's last
+  send/recv (see _after_last_weight_gradient): then no SYNC can wait on a p2p that waits on it, and a program that
+  runs without its SYNCs runs with them under every p2p model.
+- groups keep group order on every rank (a later group's SYNC is never placed before an earlier one's), so the
+  collectives cannot wait on each other in a cycle.
 - the program's existing SYNCs are dropped first, so the pass is idempotent.
 - a forward-only program has no gradients: it gets the groups but no SYNC.
 SYNC changes no live activations (pipec/verify/memory.py).
@@ -38,7 +41,10 @@ def insert_syncs(program: Program, groups: Sequence[Sequence[int]]) -> Program:
     for group, stages in enumerate(checked):
         for rank in member_ranks(stages, program.stage_to_rank):
             mine = {s for s in stages if program.stage_to_rank[s] == rank}
-            points[rank].append((_after_last_weight_gradient(base[rank], mine), group))
+            after = _after_last_weight_gradient(base[rank], mine)
+            if points[rank]:  # one order of groups on every rank: a group's SYNC never precedes an earlier group's
+                after = max(after, points[rank][-1][0])
+            points[rank].append((after, group))
     streams = []
     for rank, stream in enumerate(base):
         placed: list[Instruction] = []
@@ -98,7 +104,13 @@ def _after_last_weight_gradient(stream: Sequence[Instruction], stages: set[int])
         index = len(stream) - 1  # no backward of these stages at all: the step's end
     while index + 1 < len(stream) and _is_send(stream[index + 1]):
         index += 1
-    return index
+    # A SYNC blocks its rank until every member reaches it (and, on one NCCL stream, until the rank's earlier
+    # batches complete). A send or receive after it could be one that another member needs before it can reach
+    # its own SYNC: a cycle (interleaved 1F1B's last rank finishes stage S-1 before its stage P-1 backwards, which
+    # wait on rank 0, which syncs only after its stage 0). After the rank's last send/recv nothing that follows
+    # is waited on by another rank, so every member gets there as the program without SYNCs does.
+    last_p2p = max((i for i, x in enumerate(stream) if type(x) is Action and x.kind.is_p2p), default=-1)
+    return max(index, last_p2p)
 
 
 def _is_sync(instruction: Instruction) -> bool:

@@ -59,9 +59,10 @@ stage where two layers share a parameter, I runs the whole backward and W has no
 SYNC(s, g) (a parameter tied across ranks, ties.py): the gradients of sync group g's parameters, complete on this
 rank once its last W (or B) of the group's stages has run, are summed with the group's other member ranks (one
 bucketed all-reduce on the group's process group, `syncs[g]`), blocking until every member has reached it. It
-is an entry of its own: the p2p batches posted before it stay in flight (their progress does not need this
-thread), and insert_syncs places it after the sends that follow the last backward, so it never waits on a
-message that waits on it; the verifier proves that for the whole stream.
+is an entry of its own. insert_syncs places it after the rank's last send/recv, and it first waits for every
+batch still outstanding, as the end of the step does: when a rank enters the collective nothing of its own is in
+flight, so the collective never interleaves with the verified p2p order (under NCCL a collective and p2p on two
+communicators could otherwise wait for each other), and the verifier proves the stream with its SYNCs.
 """
 
 from __future__ import annotations
@@ -446,6 +447,8 @@ def synchronize(ctx: Context, entry: Entry) -> None:
     docstring); `waiting` names it meanwhile, for the guard thread and error messages."""
     action = entry.actions[0]
     group, params = ctx.syncs[action.mb]
+    for batch in list(ctx.outstanding):  # insert_syncs puts it after the rank's last send/recv: wait for them
+        complete(ctx, batch)
     ctx.waiting = ctx.pc
     start = perf()
     sum_gradients(params, group, ctx.events if ctx.tracing else None, f"{action} (sync group {action.mb})")

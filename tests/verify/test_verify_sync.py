@@ -6,6 +6,7 @@ import random
 
 import pytest
 from executor import run as execute
+from sync_programs import random_syncs, sync_after_last_backward, without_syncs
 
 import pipec
 from pipec.errors import PipecError
@@ -57,22 +58,6 @@ def test_replicated_stage_groups_verify_too() -> None:
         assert verify(synced, p2p=model).ok
 
 
-def _without(program: Program, rank: int) -> tuple:
-    return tuple(i for i in program.streams[rank] if not (isinstance(i, Action) and i.kind is Kind.SYNC))
-
-
-def _sync_after_last_backward(program: Program, rank: int, stage: int) -> Program:
-    """The tied SYNC of `rank` placed right after its last B of `stage` and that B's sends (the naive placement)."""
-    stream = list(_without(program, rank))
-    at = max(i for i, x in enumerate(stream) if isinstance(x, Action) and x.stage == stage and x.kind is Kind.B)
-    while isinstance(stream[at + 1], Action) and stream[at + 1].kind in (Kind.SEND_B, Kind.SEND_F):
-        at += 1
-    stream.insert(at + 1, Action(stage, Kind.SYNC, 0))
-    streams = list(program.streams)
-    streams[rank] = tuple(stream)
-    return program.with_streams(tuple(streams), True)
-
-
 @pytest.mark.parametrize(
     ("model", "first"),
     [
@@ -87,7 +72,7 @@ def test_a_sync_before_a_p2p_another_member_waits_on_is_a_deadlock_with_its_caus
     # the naive placement on interleaved 1F1B's last rank: right after stage 7's last backward, before its stage 3
     # backwards, which wait on rank 0, which syncs only after its stage 0
     program = insert_syncs(pipec.compile("interleaved_1f1b", 4, 8, 2), [(0, 7)])
-    broken = _sync_after_last_backward(program, 3, 7)
+    broken = sync_after_last_backward(program, 3, 7)
     report = verify(broken, p2p=model)
     assert not report.ok
     text = report.render()
@@ -100,7 +85,7 @@ def test_a_sync_before_a_p2p_another_member_waits_on_is_a_deadlock_with_its_caus
 def test_a_missing_sync_is_refused_naming_both_ranks() -> None:
     program = insert_syncs(pipec.compile("1f1b", 4, 8), [(0, 3)])
     streams = list(program.streams)
-    streams[3] = _without(program, 3)
+    streams[3] = without_syncs(program, 3)
     report = verify(program.with_streams(tuple(streams), True))
     assert not report.ok
     assert (
@@ -125,19 +110,6 @@ def test_a_sync_of_no_group_or_of_a_rank_outside_it_is_refused(sync: Action, mes
     assert not report.ok and message in report.render()
 
 
-def _random_syncs(program: Program, groups: list[tuple[int, ...]], rng: random.Random) -> Program:
-    """One SYNC per member rank and group, each at a random point of its rank's stream."""
-    streams = [list(s) for s in program.streams]
-    for group, stages in enumerate(groups):
-        for rank in member_ranks(stages, program.stage_to_rank):
-            stage = min(s for s in stages if program.stage_to_rank[s] == rank)
-            streams[rank].insert(rng.randrange(len(streams[rank]) + 1), Action(stage, Kind.SYNC, group))
-    return Program(
-        program.name, program.ranks, program.microbatches, program.chunks, program.stage_to_rank,
-        tuple(map(tuple, streams)), has_comms=True, sync_groups=tuple(groups),
-    )
-
-
 def test_verdicts_equal_the_independent_executor_on_random_sync_placements() -> None:
     rng = random.Random(21)
     seen = {True: 0, False: 0}
@@ -146,7 +118,7 @@ def test_verdicts_equal_the_independent_executor_on_random_sync_placements() -> 
         last = program.num_stages - 1
         for _ in range(25):
             groups = [(0, last), (1, last - 1)] if rng.random() < 0.5 else [(0, last)]
-            placed = _random_syncs(program, groups, rng)
+            placed = random_syncs(program, groups, rng)
             for model in MODELS:
                 verdict = not check_deadlock(placed, model)
                 oracle = execute(placed, model).completed

@@ -6,13 +6,17 @@ import random
 
 import pytest
 from executor import run as execute
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from sync_programs import random_syncs, sync_after_last_backward, without_syncs
 
 import pipec
 from pipec.errors import PipecError
 from pipec.ir import Action, Kind, Program
 from pipec.library import bundled_names
+from pipec.passes.p2p import insert_p2p_ops
 from pipec.passes.sync import insert_syncs, member_ranks
+from pipec.testing.orders import valid_programs
 from pipec.verify import verify
 from pipec.verify.deadlock.check import check_deadlock
 
@@ -125,3 +129,20 @@ def test_verdicts_equal_the_independent_executor_on_random_sync_placements() -> 
                 assert verdict == oracle, (name, model, [str(i) for s in placed.streams for i in s])
                 seen[verdict] += 1
     assert seen[True] > 30 and seen[False] > 30  # both verdicts are exercised
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(valid_programs(), st.randoms(use_true_random=False))
+def test_insert_syncs_keeps_any_valid_program_deadlock_free(program: Program, rng: random.Random) -> None:
+    # the pass's claim: SYNCs after each member's last send/recv, groups in one order, never make a program that
+    # runs (valid compute orders lowered by insert_p2p_ops) deadlock, whatever the groups
+    lowered = insert_p2p_ops(program)
+    stages = lowered.num_stages
+    if stages < 2:
+        return
+    groups = [tuple(rng.sample(range(stages), rng.randint(2, min(stages, 4)))) for _ in range(rng.randint(1, 3))]
+    synced = insert_syncs(lowered, groups)
+    assert insert_syncs(synced, groups) == synced
+    for model in MODELS:
+        assert not check_deadlock(synced, model), (model, groups, synced.streams)
+        assert execute(synced, model).completed

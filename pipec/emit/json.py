@@ -178,7 +178,8 @@ def _has_comms(value: Any, program: Program, where: str) -> bool:
         rank, index, action = next(
             (r, k, i) for r, s in enumerate(program.streams) for k, i in enumerate(s) for a in i.parts if a.kind.is_comm
         )
-        raise PipecSyntaxError(f"{where}: streams[{rank}][{index}]: {action} is a send/recv, but 'has_comms' is false")
+        what = "a SYNC (placed only with the send/recv)" if action.kind.is_collective else "a send/recv"
+        raise PipecSyntaxError(f"{where}: streams[{rank}][{index}]: {action} is {what}, but 'has_comms' is false")
     placement = program.stage_to_rank
     if any(placement[s] != placement[s + 1] for s in range(len(placement) - 1)):
         _require(False, where, "'has_comms' is true, but the streams have no send/recv instructions between ranks")

@@ -12,12 +12,16 @@ One spawn per world size runs every config in turn, to share the workers' start-
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
+import subprocess
+import sys
 
 import pytest
 import tied_workloads
 import torch
+from paths import SUPPORT
 from tied_workloads import STEPS
 
 import pipec
@@ -134,3 +138,36 @@ def test_a_checkpoint_stores_the_tied_parameter_once_and_a_resume_keeps_the_copi
     assert "0.weight" in optimizer["state"] and HEAD not in optimizer["state"]
     names = [n for group in optimizer["param_groups"] for n in group["params"]]
     assert len(names) == len(set(names)) and "0.weight" in names
+
+
+def test_pipec_run_trains_a_tie_across_ranks_and_says_so(tmp_path) -> None:
+    """The command line: checked before any worker starts (the synced program verified), then trained, exit 0;
+    the start-up names the tie, the table has a sync_s column."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, "-m", "pipec", "run", "1f1b", "-P", "2", "-M", "4", "--model", MODEL, "--steps", "1"]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    code, out, err = done.returncode, done.stdout, done.stderr
+    assert code == 0, err
+    assert "tied: 0.weight = 7.weight (stages 0, 1 on ranks 0, 1): one parameter, its gradient summed by SYNC" in out
+    assert "sync_s" in out
+
+
+def test_a_synced_program_the_verifier_refuses_is_never_run(monkeypatch) -> None:
+    """with_syncs verifies what insert_syncs made: a program with one member's SYNC missing (a deadlock: the
+    other member waits for ever) is an invalid schedule, exit 1, with the verifier's counterexample."""
+    import pipec.passes.sync as sync_pass
+    from pipec.errors import ScheduleError
+    from pipec.runtime import ties, workload
+
+    place = sync_pass.insert_syncs
+
+    def drop_rank_0s(program, groups):
+        placed = place(program, groups)
+        streams = (tuple(i for i in placed.streams[0] if i.kind is not Kind.SYNC), *placed.streams[1:])
+        return dataclasses.replace(placed, streams=streams)
+
+    monkeypatch.setattr(sync_pass, "insert_syncs", drop_rank_0s)
+    with pytest.raises(ScheduleError) as caught:
+        ties.with_syncs(pipec.compile("1f1b", 2, 4), workload.build(MODEL, 0).layers, (4, 4))
+    assert caught.value.exit_code == 1
+    assert "SYNC" in caught.value.message, caught.value.message

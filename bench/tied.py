@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-VOCAB, WIDTH, SEQ, BATCH, BLOCKS = 8192, 64, 16, 16, 6
+VOCAB, WIDTH, SEQ, BATCH, BLOCKS = 32768, 64, 16, 16, 6
 HERE = Path(__file__).resolve()
 
 
@@ -125,7 +125,9 @@ def main() -> None:
     by = {(run["round"], run["variant"]): run["report"] for run in runs}
     untied_s = [step_s(by[r, "untied"]) for r in range(args.rounds)]
     tied_s = [step_s(by[r, "tied"]) for r in range(args.rounds)]
-    paired = statistics.median(t - u for t, u in zip(tied_s, untied_s, strict=True))
+    differences = [t - u for t, u in zip(tied_s, untied_s, strict=True)]
+    paired = statistics.median(differences)
+    quartiles = statistics.quantiles(differences, n=4) if len(differences) > 1 else [paired, paired, paired]
     syncs = [run["report"]["costs"]["sync"] for run in runs if run["variant"] == "tied"]
     sync_ms = statistics.median(syncs)
     costs = {k: [statistics.median(run["report"]["costs"][k][i] for run in runs if run["variant"] == "untied")
@@ -137,7 +139,8 @@ def main() -> None:
     print(
         f"median step: untied {1e3 * statistics.median(untied_s):.2f} ms, tied {1e3 * statistics.median(tied_s):.2f} ms"
     )
-    print(f"paired difference tied - untied: {1e3 * paired:+.2f} ms (median over rounds)")
+    spread = f"quartiles {1e3 * quartiles[0]:+.2f} to {1e3 * quartiles[2]:+.2f} ms"
+    print(f"paired difference tied - untied: {1e3 * paired:+.2f} ms (median over rounds; {spread})")
     print(f"one SYNC, measured: {sync_ms:.3f} ms (median over runs of the smallest member's)")
     print(
         f"simulated under the untied run's F/I/W: untied {untied_ms:.2f} ms, tied (sync={sync_ms:.3f}) "

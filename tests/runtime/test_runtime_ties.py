@@ -7,6 +7,8 @@ is in the streams (placed by insert_syncs, verified, run by the interpreter); zb
 stage on rank 0, so there one parameter object needs none. A checkpoint stores the tied parameter once (its
 optimizer state under its first name) and a resume, under another schedule, keeps the copies equal.
 
+On 2 ranks also: 1f1b with `--partition profile` (decided in the workers, which place the SYNCs there), and zb_h1
+with a sparse embedding gradient (`nn.Embedding(sparse=True)`: sparse on rank 0, dense on rank 1, one SYNC).
 One spawn per world size runs every config in turn, to share the workers' start-up.
 """
 
@@ -29,12 +31,14 @@ from pipec.ir import Kind
 from pipec.runtime import checkpoint, launch
 
 MODEL = "tied_workloads:tied_lm"
+SPARSE = "tied_workloads:sparse_tied_lm"
 TOLERANCE = 1e-6
 HEAD = "7.weight"  # the head's key: the tied weight's second name (its first: the embedding's 0.weight)
 SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2))
 # world size -> (key, schedule, P, V, D) of each run; the 2-rank spawn also checkpoints and resumes
 CONFIGS = {
-    2: [((name, 2, 1), name, 2, chunks, 1) for name, chunks in SCHEDULES],
+    2: [((name, 2, 1), name, 2, chunks, 1) for name, chunks in SCHEDULES]
+    + [(("1f1b-profile", 2, 1), "1f1b", 2, 1, 1), (("zb_h1-sparse", 2, 1), "zb_h1", 2, 1, 1)],
     4: [((name, 4, 1), name, 4, chunks, 1) for name, chunks in SCHEDULES]
     + [((name, 2, 2), name, 2, chunks, 2) for name, chunks in SCHEDULES],
 }
@@ -49,7 +53,12 @@ def _train_all(configs: list[tuple], folder: str) -> dict:
     out = {}
     for key, schedule, ranks, chunks, dp in configs:
         program = pipec.compile(schedule, ranks, 4, chunks)
-        result = train(program, Options(model=MODEL, steps=STEPS, quiet=True, dp=dp))
+        # -profile: the partition measured in the workers, so the SYNCs are placed there; -sparse: the embedding's
+        # gradient sparse on rank 0, the head's dense on rank 1
+        partition = "profile" if key[0].endswith("-profile") else "params"
+        model = SPARSE if key[0].endswith("-sparse") else MODEL
+        options = Options(model=model, steps=STEPS, quiet=True, dp=dp, partition=partition)
+        result = train(program, options)
         out[key] = {"weights": result["weights"], "report": result["report"]}
     if folder:
         where = os.path.join(folder, "ck")
@@ -70,11 +79,11 @@ def runs(world: int, folder: str = "") -> list[dict]:
 
 
 @functools.cache
-def reference() -> dict[str, torch.Tensor]:
+def reference(sparse: bool = False) -> dict[str, torch.Tensor]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers run (their float32 sums are blocked by thread)
     try:
-        return tied_workloads.reference()
+        return tied_workloads.reference(sparse=sparse)
     finally:
         torch.set_num_threads(threads)
 
@@ -82,7 +91,7 @@ def reference() -> dict[str, torch.Tensor]:
 def check_trained_like_one_process(per_rank: list[dict], key) -> float:
     """The ranks' weights against the one-process loop; every copy of the tied weight bitwise equal. Returns the
     worst difference."""
-    expected = reference()
+    expected = reference(sparse=str(key[0]).endswith("-sparse"))
     merged: dict = {}
     copies = []
     for result in per_rank:
@@ -101,7 +110,7 @@ def test_tied_embeddings_train_like_one_process(world: int) -> None:
     per_rank = runs(world)
     for key, schedule, ranks, _, dp in CONFIGS[world]:
         worst = check_trained_like_one_process(per_rank, key)
-        print(f"\n{schedule} P={ranks} --dp {dp}: worst |weight - one process| {worst:.1e}")
+        print(f"\n{key[0]} P={ranks} --dp {dp}: worst |weight - one process| {worst:.1e}")
         report = per_rank[0][key]["report"]
         syncing = [r["rank"] for r in report["ranks"] if r["sync_s"] > 0]
         if schedule == "zbv":  # stages 0 and S-1 on rank 0: one parameter object, no SYNC

@@ -26,10 +26,10 @@ def loss_fn(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
-def tied_lm(blocks: int = 6, tied: bool = True) -> Workload:
+def tied_lm(blocks: int = 6, tied: bool = True, sparse: bool = False) -> Workload:
     """Embedding, `blocks` residual blocks, head (blocks + 2 layers: 8 by default, one per stage of zbv or
     interleaved_1f1b at P=4, V=2), trained with SGD and momentum (an optimizer state that checkpoints carry)."""
-    embed = nn.Embedding(VOCAB, WIDTH)
+    embed = nn.Embedding(VOCAB, WIDTH, sparse=sparse)
     head = Head()
     if tied:
         head.weight = embed.weight
@@ -38,16 +38,22 @@ def tied_lm(blocks: int = 6, tied: bool = True) -> Workload:
     return Workload(layers, loss_fn, batches, lambda params: torch.optim.SGD(params, lr=LR, momentum=MOMENTUM))
 
 
+def sparse_tied_lm() -> Workload:
+    """The tied model with a sparse embedding gradient (`nn.Embedding(sparse=True)`): sparse on the first stage's
+    rank, dense on the last's, summed by one SYNC."""
+    return tied_lm(sparse=True)
+
+
 def untied_lm() -> Workload:
     """The same model with a head of its own (the step-time baseline of bench/tied.py)."""
     return tied_lm(tied=False)
 
 
-def reference(steps: int = STEPS, blocks: int = 6) -> dict[str, torch.Tensor]:
+def reference(steps: int = STEPS, blocks: int = 6, sparse: bool = False) -> dict[str, torch.Tensor]:
     """The plain one-process loop a user would write: each step the whole batch, one backward, one optimizer
     step, built with seed 0 as `pipec run --seed 0` builds the workload. Its state_dict (both tied keys)."""
     torch.manual_seed(0)
-    work = tied_lm(blocks)
+    work = tied_lm(blocks, sparse=sparse)
     params = [p for p in work.layers.parameters() if p.requires_grad]
     optimizer = work.optimizer(params)
     for k in range(steps):

@@ -11,7 +11,8 @@
     agreement.py    set-up's collectives: one schedule and partition on every rank, the activation shapes
     feed.py         each step's micro-batches on the device (copied ahead on a GPU)
     timing.py       a step's compute times: the host clock, or CUDA events
-    replicas.py     --dp: the rank layout (pipeline-major), the replica groups, the gradient all-reduce
+    replicas.py     --dp: the rank layout (pipeline-major), the replica groups, the gradient all-reduce; SYNC's sum
+    ties.py         parameters tied across ranks: found, their sync groups and SYNCs, process groups, stored once
     objects.py      Python objects between ranks (without NumPy)
     checkpoint.py   --checkpoint/--resume: the format, the atomic write, the checks before resuming
     checkpoint_writer.py  a checkpoint during the run: gathered to rank 0, written, every rank told

@@ -84,6 +84,37 @@ def buckets(grads: list[torch.Tensor], limit: int = BUCKET_BYTES) -> list[list[t
     return out
 
 
+def sum_gradients(params: list, group, events: list | None = None, label: str = "sync") -> float:
+    """Replace each parameter's gradient by its sum over `group` (SUM all-reduces, bucketed as `average_gradients`
+    buckets): a SYNC of tied parameters (ties.py). Every member must reduce the same buckets, so a parameter
+    without a gradient on this rank takes part with zeros, and a sparse gradient (an `nn.Embedding(sparse=True)`
+    tied to a dense LM head: sparse on one member, dense on the other) is made dense first. Returns the seconds
+    spent; `events` receives one (name, "sync", start, duration) per all-reduce, for the trace."""
+    seconds = 0.0
+    grads = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        elif p.grad.is_sparse:
+            p.grad = p.grad.to_dense()
+        grads.append(p.grad)
+    parts = buckets(grads)
+    for index, bucket in enumerate(parts):
+        start = time.perf_counter()
+        if len(bucket) == 1 and bucket[0].is_contiguous():  # no copy in and out of a flat buffer
+            dist.all_reduce(bucket[0], group=group)
+        else:
+            flat = _flatten_dense_tensors(bucket)
+            dist.all_reduce(flat, group=group)
+            for g, total in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+                g.copy_(total)
+        elapsed = time.perf_counter() - start
+        seconds += elapsed
+        if events is not None:
+            events.append((f"{label} bucket {index + 1}/{len(parts)}", "sync", start, elapsed))
+    return seconds
+
+
 def average_gradients(
     stages: dict, group, replicas: int, flag: bool | None, events: list | None = None
 ) -> tuple[float, bool]:

@@ -15,6 +15,10 @@ Durations are in arbitrary time units (seconds if you measured seconds). Default
   sender's rank also spends ``message_time`` per send it posts (the copy competes with compute for the device).
   Receivers wait for their data either way.
 - An overlapped pair (F & B as one instruction, DualPipe) takes the sum of its halves.
+- ``sync``: the time of one SYNC (the all-reduce of a sync group's shared gradients, pipec.passes.sync), a number
+  or, in JSON, one per stage (a SYNC takes the largest value among its members' stages); default 0. It starts when
+  the last member is there (its host at the SYNC and, in order, its earlier batches complete) and ends on every
+  member at once; it counts as communication, not compute.
 - Memory (for the peak-activation figures, through ``pipec.verify.memory``): ``activation``, the activations of
   one micro-batch on a stage (a number or, in JSON, one per stage; default 1 unit everywhere) and
   ``input_fraction``, the share of them I frees (W frees the rest; default 0.5).
@@ -39,7 +43,7 @@ from pipec.verify.memory import DEFAULT_INPUT_FRACTION, spread_segments
 Value = float | tuple[float, ...]
 _COMPUTE = ("F", "B", "I", "W")
 _SCALARS = ("comm", "latency", "bandwidth", "size", "overlap", "input_fraction")
-_KEYS = (*_COMPUTE, *_SCALARS, "scale", "activation")
+_KEYS = (*_COMPUTE, *_SCALARS, "scale", "activation", "sync")
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class Costs:
     scale: tuple[float, ...] | None = None
     activation: Value | None = None  # activations of one micro-batch on a stage (memory units); None: 1
     input_fraction: float = DEFAULT_INPUT_FRACTION
+    sync: Value = 0.0  # one SYNC collective (a number, or one per stage)
     # the keys the user gave (parse_costs), so that a command can say which it filled with defaults; not a cost
     given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
@@ -96,6 +101,14 @@ class Costs:
             out[Kind(name)] = row
         return out
 
+    def sync_per_stage(self, stages: int) -> list[float]:
+        """The time of a SYNC named by each stage."""
+        if isinstance(self.sync, tuple):
+            if len(self.sync) != stages:
+                raise PipecInputError(f"cost 'sync' has {len(self.sync)} entries, the schedule has {stages} stages")
+            return [float(v) for v in self.sync]
+        return [float(self.sync)] * stages
+
     def describe(self) -> str:
         parts = [f"{k}={_text(getattr(self, k))}" for k in _COMPUTE]
         parts.append(f"comm={self.message_time:g}")
@@ -107,6 +120,8 @@ class Costs:
             parts.append("activation=" + _text(self.activation))
         if self.input_fraction != DEFAULT_INPUT_FRACTION:
             parts.append(f"input_fraction={self.input_fraction:g}")
+        if self.sync != 0:  # written only when set: the descriptions of runs without syncs stay as they were
+            parts.append("sync=" + _text(self.sync))
         return ",".join(parts)
 
 
@@ -234,6 +249,8 @@ def _from_mapping(data: Mapping, where: str) -> Costs:
         fields["scale"] = scale
     if "activation" in data:
         fields["activation"] = _value("activation", data["activation"], where)
+    if "sync" in data:
+        fields["sync"] = _value("sync", data["sync"], where)
     if fields.get("input_fraction", 0.0) > 1:  # type: ignore[operator]
         raise PipecInputError(f"{where}: input_fraction must be between 0 and 1")
     _derive_backward(fields, where)

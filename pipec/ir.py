@@ -32,6 +32,9 @@ class Kind(str, Enum):
     RECV_F = "RECV_F"  # receive this F's input activation from the previous stage
     SEND_B = "SEND_B"  # send the input gradient to the previous stage
     RECV_B = "RECV_B"  # receive the output gradient from the next stage
+    # all-reduce (SUM) of a sync group's shared-parameter gradients with the group's other member ranks; an
+    # Action(stage, SYNC, group) names the group where other kinds name the micro-batch
+    SYNC = "SYNC"
 
     @property
     def is_compute(self) -> bool:
@@ -39,7 +42,16 @@ class Kind(str, Enum):
 
     @property
     def is_comm(self) -> bool:
+        """Communication of either kind: point-to-point (SEND/RECV) or collective (SYNC)."""
         return not self.is_compute
+
+    @property
+    def is_p2p(self) -> bool:
+        return self in P2P_KINDS
+
+    @property
+    def is_collective(self) -> bool:
+        return self is Kind.SYNC
 
     @property
     def is_recv(self) -> bool:
@@ -48,10 +60,12 @@ class Kind(str, Enum):
 
 COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
 BACKWARD_KINDS = frozenset({Kind.B, Kind.I})
+P2P_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
 
 
 class Action(NamedTuple):
-    """One op on one (stage, micro-batch). Its text form is torch's: `2F0`, `1SEND_B3`."""
+    """One op on one (stage, micro-batch). Its text form is torch's: `2F0`, `1SEND_B3`. A SYNC's third field is its
+    sync group, not a micro-batch: `0SYNC1` is stage 0's all-reduce of group 1 (``Program.sync_groups``)."""
 
     stage: int
     kind: Kind
@@ -88,7 +102,7 @@ class Overlap(NamedTuple):
 
 Instruction = Action | Overlap
 
-_ACTION_RE = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)")
+_ACTION_RE = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|SYNC|F|B|I|W)(\d+)")
 _OVERLAP_RE = re.compile(r"\(([^;()]+);([^;()]+)\)OVERLAP_F_B")
 
 
@@ -96,7 +110,9 @@ def parse_instruction(text: str) -> Instruction:
     """The inverse of ``str(instruction)``; also accepts the .pipe literal pair form `0F1&1B2`."""
     text = text.strip()
     if m := _ACTION_RE.fullmatch(text):
-        return Action(_number(m[1], "stage", text), Kind(m[2]), _number(m[3], "micro-batch", text))
+        kind = Kind(m[2])
+        third = "group" if kind is Kind.SYNC else "micro-batch"
+        return Action(_number(m[1], "stage", text), kind, _number(m[3], third, text))
     m = _OVERLAP_RE.fullmatch(text)
     halves = (m[1], m[2]) if m else tuple(text.split("&")) if text.count("&") == 1 else None
     if halves:
@@ -109,15 +125,15 @@ def parse_instruction(text: str) -> Instruction:
         ):
             return Overlap(first, second)
     raise PipecSyntaxError(
-        f"{text!r} is not an action: expected STAGE KIND MICROBATCH such as 0F1, 2I0, 1SEND_F3 "
-        "or an overlapped pair (0F1;1B2)OVERLAP_F_B"
+        f"{text!r} is not an action: expected STAGE KIND MICROBATCH such as 0F1, 2I0, 1SEND_F3, "
+        "a sync STAGE SYNC GROUP such as 0SYNC0, or an overlapped pair (0F1;1B2)OVERLAP_F_B"
     )
 
 
 def _number(digits: str, what: str, text: str) -> int:
     """A stage or micro-batch number of an action, refused beyond the limits before int() converts it: a stream
     file's actions decide its P, M and V, and a 5,000-digit number would also exceed Python's int-string limit."""
-    limit = MAX_STAGES if what == "stage" else MAX_MICROBATCHES
+    limit = MAX_MICROBATCHES if what == "micro-batch" else MAX_STAGES  # a group lists stages: at most as many
     digits = digits.lstrip("0") or "0"
     if len(digits) > len(str(limit)) or int(digits) >= limit:
         shown = text if len(text) <= 40 else text[:37] + "..."
@@ -180,6 +196,9 @@ class Program:
     has_comms: bool = False
     forward_only: bool = False  # inference: every stage runs F only
     expected: dict[str, Fraction] = field(default_factory=dict)  # `expect bubble ...` figures, for pipec.testing
+    # group g: the stages whose copies of one shared parameter set are summed by SYNC g (tied embeddings: (0, S-1);
+    # the copies of one replicated stage); the SYNCs themselves are placed by pipec.passes.sync.insert_syncs
+    sync_groups: tuple[tuple[int, ...], ...] = ()
     # the text it came from, if any; not part of what the program is: equal orders are equal programs
     provenance: Provenance | None = field(default=None, compare=False)
 
@@ -200,7 +219,7 @@ class Program:
         return tuple(out)
 
     def compute_streams(self) -> tuple[tuple[Instruction, ...], ...]:
-        """The streams without send/recv instructions."""
+        """The streams without send/recv (and SYNC) instructions."""
         return tuple(
             tuple(i for i in stream if not (isinstance(i, Action) and i.kind.is_comm)) for stream in self.streams
         )

@@ -73,3 +73,30 @@ def test_deepseeks_dualpipe_is_the_bundled_dualpipev_folded_over_two_copies() ->
                 for instruction in folded[min(rank, ranks - 1 - rank)]
             ]
             assert " ".join(ours) == order, (key, rank)
+
+
+def test_deepseeks_own_p2p_placement_verifies_and_runs_as_fast_as_pipecs() -> None:
+    """tests/reference/deepseek_dualpipev_streams.json.gz: dualpipev.py step() with its p2p ops recorded as well
+    (its _recv_*/_send_* skip conditions kept, each _commit_and_wait_comm a batch, ops in the order the source
+    appends them), as text streams, for P in 1..8 and M in {2P, 2P+1, 32}. pipec's verifier, an independent
+    reading of the same rule, proves DeepSeek's own placement deadlock-free under nccl, its compute orders are the
+    bundled dualpipev's, and at the default costs it runs in the same simulated time as pipec's placement (which
+    differs: pipec posts each send with the batch after its producer, DeepSeek posts some a compute later)."""
+    from pipec.emit import load_text
+    from pipec.sim.simulate import simulate
+
+    reference = _reference_streams()
+    assert len(reference) == 24
+    for key, text in reference.items():
+        ranks, microbatches = map(int, key.split(","))
+        theirs = load_text(text, f"deepseek {key}")
+        ours = pipec.compile("dualpipev", ranks, microbatches, 2)
+        assert theirs.compute_streams() == ours.compute_streams(), key
+        assert theirs.streams != ours.streams or ranks == 1, key  # the placements differ
+        pipec.check(theirs, p2p="nccl")
+        assert simulate(theirs).makespan == simulate(ours).makespan, key
+
+
+def _reference_streams() -> dict[str, str]:
+    with gzip.open(TESTS / "reference" / "deepseek_dualpipev_streams.json.gz", "rt", encoding="utf-8") as file:
+        return json.load(file)

@@ -31,9 +31,9 @@ from fractions import Fraction
 from typing import NamedTuple
 
 from pipec.errors import PipecInputError
-from pipec.ir import DEFAULT_INPUT_FRACTION, MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas
+from pipec.ir import DEFAULT_INPUT_FRACTION, MEMORY_TOLERANCE, Action, Kind, Overlap, Program, activation_deltas
 from pipec.limits import MAX_SECONDS, MAX_STEPS, check_sizes
-from pipec.p2p_rule import DEFAULT_DURATION, CostModel, receiving_ranks
+from pipec.p2p_rule import DEFAULT_DURATION, CostModel, pair_duration, receiving_ranks
 
 NEVER = Fraction(10**18)  # the gap when no waiting input of the rank is known to be on its way
 
@@ -71,6 +71,9 @@ class Rules:
     priority: Callable[[Candidate], tuple] = lambda c: ()
     admit: Callable[[Candidate], bool] | None = None
     limit: Callable[[int], float | None] | None = None
+    # run the chosen F (or backward) overlapped with the best ready backward (or F) of another micro-batch, as one
+    # instruction, when the costs give the pair its own duration (FB) and it is shorter than its halves
+    overlap: bool = False
 
 
 class Timeline(NamedTuple):
@@ -114,6 +117,7 @@ def schedule_timeline(
         )
     table = {k: [d] * (last + 1) for k, d in DEFAULT_DURATION.items()} if costs is None else costs.per_stage(last + 1)
     dur = {k: [Fraction(str(x)) for x in table[k]] for k in rules.takes}
+    pair_row = costs.pair_per_stage(last + 1) if costs is not None and rules.overlap else None
     forward_to, backward_to = receiving_ranks(where)  # where each stage's output and input gradient go
     delay = Fraction(str(costs.message_time)) if costs is not None else Fraction(0)
     post = Fraction(0) if costs is None or costs.overlap else delay
@@ -242,46 +246,94 @@ def schedule_timeline(
                         best, best_key = cand, key
                 if best is None:
                     continue
-                kind, c, s, mb = best.kind, best.chunk, best.stage, best.mb
-                if kind is Kind.F:
-                    fwd[rank][c] += 1
-                elif kind is Kind.W:
-                    queue[rank][c].popleft()
+                halves = [best]
+                length = best.dur
+                if pair_row is not None and best.kind is not Kind.W:
+                    partner = _partner(best, now_ready, rules, fits, order, deltas, sizes, dur)
+                    if partner is not None:
+                        forward, backward = (best, partner) if best.kind is Kind.F else (partner, best)
+                        parts = (Action(forward.stage, Kind.F, forward.mb), Action(backward.stage, backward.kind,
+                                                                                   backward.mb))
+                        serial = table[Kind.F][forward.stage] + table[backward.kind][backward.stage]
+                        paired = Fraction(str(pair_duration(parts, serial, table, pair_row)))
+                        if paired < best.dur + partner.dur:
+                            halves, length = [forward, backward], paired
+                sends = 0
+                end = now + length
+                for half in halves:
+                    kind, c, s, mb = half.kind, half.chunk, half.stage, half.mb
+                    if kind is Kind.F:
+                        fwd[rank][c] += 1
+                    elif kind is Kind.W:
+                        queue[rank][c].popleft()
+                    else:
+                        bwd[rank][c] += 1
+                    if len(halves) > 1:  # the pair's halves in their order, as memory_profile sums them
+                        live[rank] += deltas[kind] * sizes[s]
+                    made = (
+                        [(s, "F", mb)]
+                        if kind is Kind.F
+                        else [(s, "G", mb)]
+                        if kind is Kind.B
+                        else [(s, "G", mb), (s, "I", mb)]
+                        if kind is Kind.I
+                        else []
+                    )
+                    if kind is Kind.I:
+                        queue[rank][c].append(mb)
+                    for key in made:
+                        done[key] = end  # recorded now, but nothing reads it before `end` (readiness is checked <= now)
+                        peer = forward_to[s] if key[1] == "F" else backward_to[s] if key[1] == "G" else None
+                        if peer is not None and peer != rank:
+                            # wakes the peer when the message arrives; a consumer on this rank waits for this rank
+                            sends += 1
+                            seq += 1
+                            heapq.heappush(events, (end + delay, seq, peer, Action(s, kind, mb)))
+                    left -= 1
+                if len(halves) == 1:
+                    live[rank] = best.after  # the same float the candidate was admitted by (memory_profile's sums)
+                    out[rank].append(Action(best.stage, best.kind, best.mb))
                 else:
-                    bwd[rank][c] += 1
-                live[rank] = best.after
-                out[rank].append(Action(s, kind, mb))
+                    out[rank].append(Overlap(*(Action(h.stage, h.kind, h.mb) for h in halves)))
                 starts[rank].append(now)
                 lives[rank].append(live[rank])
-                end = now + best.dur
-                made = (
-                    [(s, "F", mb)]
-                    if kind is Kind.F
-                    else [(s, "G", mb)]
-                    if kind is Kind.B
-                    else [(s, "G", mb), (s, "I", mb)]
-                    if kind is Kind.I
-                    else []
-                )
-                if kind is Kind.I:
-                    queue[rank][c].append(mb)
-                sends = 0
-                for key in made:
-                    done[key] = end  # recorded now, but nothing reads it before `end` (readiness is checked <= now)
-                    peer = forward_to[s] if key[1] == "F" else backward_to[s] if key[1] == "G" else None
-                    if peer is not None and peer != rank:
-                        # wakes the peer when the message arrives; a consumer on this rank waits for this rank anyway
-                        sends += 1
-                        seq += 1
-                        heapq.heappush(events, (end + delay, seq, peer, Action(s, kind, mb)))
                 busy[rank] = True
                 seq += 1
                 heapq.heappush(events, (end + post * sends, seq, rank, None))  # free again, its sends posted
-                left -= 1
                 started = True
     makespan = max((t for t, _, _, action in events if action is None), default=now)  # the last ops' ends
     program = replace(template, streams=tuple(tuple(s) for s in out), has_comms=False)
     return Timeline(program, tuple(map(tuple, starts)), tuple(map(tuple, lives)), makespan)
+
+
+def _partner(
+    best: Candidate,
+    ready: list[tuple],
+    rules: Rules,
+    fits: Callable[[int, Kind, float], bool],
+    order: dict[Kind, int],
+    deltas: dict[Kind, float],
+    sizes: list[float],
+    dur: dict[Kind, list[Fraction]],
+) -> Candidate | None:
+    """The op to overlap with ``best``: the highest-priority ready candidate of the other side (a backward, B or I,
+    for a forward; a forward for a backward) of another micro-batch that the guard admits and that fits in memory
+    run together with ``best`` (their deltas added: the pair's profile is the one memory_profile sums)."""
+    chosen, chosen_key = None, None
+    for kind, c, s, mb, when, _ in ready:
+        if kind is Kind.W or (kind is Kind.F) == (best.kind is Kind.F) or mb == best.mb:
+            continue
+        after = best.after + deltas[kind] * sizes[s]
+        if not fits(best.rank, kind, after):
+            continue
+        cand = best._replace(kind=kind, chunk=c, stage=s, mb=mb, ready=when, dur=dur[kind][s], live=best.after,
+                             after=after)
+        if rules.admit is not None and not rules.admit(cand):
+            continue
+        key = (tuple(rules.priority(cand)), (-c, -order[kind], -mb))
+        if chosen_key is None or key > chosen_key:
+            chosen, chosen_key = cand, key
+    return chosen
 
 
 def _stuck(ranks: int, now: Fraction, live: list[float], limits: list, candidates: Callable, fits: Callable) -> str:

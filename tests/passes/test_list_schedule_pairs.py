@@ -4,6 +4,8 @@ within the memory limit, and the scheduler's own timeline is the one the simulat
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import pipec
@@ -73,3 +75,31 @@ def test_memory_buys_time_with_pairs() -> None:
         assert _pairs(program) > 0 and max(peak_activations(program)) <= limit
         makespans.append(simulate(program, costs, p2p="ideal").makespan)
     assert makespans == [31, 26]
+
+
+PAIRED_SECTION = """schedule paired "1F1B-like choice with overlapped pairs"
+params P, M, V = 1
+stages P
+memory 2 * P
+
+choose per rank r:
+    take B priority 2
+    take F priority 1
+    overlap
+"""
+
+
+def test_a_choose_section_pairs_with_its_overlap_line(tmp_path: Path) -> None:
+    path = tmp_path / "paired.pipe"
+    path.write_text(PAIRED_SECTION)
+    with_fb = pipec.compile(str(path), P, M, 1, costs="F=1,B=2,W=1,FB=2", comms=False)
+    without = pipec.compile(str(path), P, M, 1, costs="F=1,B=2,W=1", comms=False)
+    assert _pairs(with_fb) > 0 and _pairs(without) == 0
+    pipec.check(pipec.compile(str(path), P, M, 1, costs="F=1,B=2,W=1,FB=2"))
+    unpaired = tmp_path / "unpaired.pipe"
+    unpaired.write_text(PAIRED_SECTION.replace("    overlap\n", ""))
+    assert _pairs(pipec.compile(str(unpaired), P, M, 1, costs="F=1,B=2,W=1,FB=2", comms=False)) == 0
+    # the name stays free outside a choose section: a program may still call a variable `overlap`
+    loop = tmp_path / "named.pipe"
+    loop.write_text("schedule named\nper rank r:\n    overlap = 1\n    repeat M: F\n    repeat M: B\n")
+    assert pipec.compile(str(loop), 2, 2, 1).ranks == 2

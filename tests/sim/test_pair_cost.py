@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -78,15 +79,23 @@ def test_without_fb_a_pair_costs_its_halves_and_fb_shortens_the_step() -> None:
     assert faster.makespan < serial.makespan
 
 
-@pytest.mark.parametrize("command", ["simulate", "show", "check"])
-def test_every_command_taking_costs_takes_fb(command: str) -> None:
-    def run(spec: str) -> subprocess.CompletedProcess:
-        shape = ["--format", "json"] if command == "simulate" else []
+@pytest.mark.parametrize("command", ["simulate", "show", "check", "viz"])
+def test_every_command_taking_costs_takes_fb(command: str, tmp_path: Path) -> None:
+    def run(spec: str) -> tuple[subprocess.CompletedProcess, str]:
+        picture = tmp_path / f"{len(spec)}.svg"
+        shape = {"simulate": ["--format", "json"], "viz": ["-o", str(picture)]}.get(command, [])
         args = [sys.executable, "-m", "pipec", command, "dualpipev", "-P", "2", "-M", "4", "--cost", spec, *shape]
-        return subprocess.run(args, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        return done, picture.read_text() if command == "viz" and done.returncode == 0 else done.stdout
 
-    done = run("F=1,B=2,W=1,FB=2")
+    done, output = run("F=1,B=2,W=1,FB=2")
     assert done.returncode == 0, done.stderr
+    serial, serial_output = run("F=1,B=2,W=1")
+    assert serial.returncode == 0, serial.stderr
+    program = pipec.compile("dualpipev", 2, 4, 2, comms=False)
+    paired, alone = (simulate(program, parse_costs(spec)).makespan for spec in ("F=1,B=2,W=1,FB=2", "F=1,B=2,W=1"))
+    assert paired < alone
     if command == "simulate":
-        serial = run("F=1,B=2,W=1")
-        assert json.loads(done.stdout)["makespan"] < json.loads(serial.stdout)["makespan"]
+        assert (json.loads(output)["makespan"], json.loads(serial_output)["makespan"]) == (paired, alone)
+    elif command in ("show", "viz"):  # the timeline drawn is the one simulated with the pair's cost
+        assert f"makespan {paired:g}" in output and f"makespan {alone:g}" in serial_output

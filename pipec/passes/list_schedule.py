@@ -12,6 +12,9 @@ it as any other. The rules are Python callables (a `choose` section compiles to 
 - Memory is verify/memory.py's model (ir.activation_deltas times the stage size, the same float sums and the same
   tolerance), so the live profile the scheduler admits by is exactly ``memory_profile`` of its output.
 - Times are Fractions (``Fraction(str(x))``), so equal costs tie exactly and the output is deterministic.
+- Overlapped pairs (``Rules.overlap``, a section's `overlap` line): with the costs' FB, the chosen F (or B/I) runs
+  with the best ready op of the other side of another micro-batch (the guard's and the limit's, their deltas
+  added) as one instruction, when pipec.p2p_rule.pair_duration makes it shorter than its halves.
 - At each moment the free ranks choose in rank order, and the pass repeats until none starts anything: a start
   makes its output's arrival known, which a waiting rank's ``gap`` reads.
 - Besides the op itself, a Candidate carries what the library's cost-aware rules read (pipec/schedules/zb_auto.pipe,

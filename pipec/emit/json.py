@@ -16,7 +16,7 @@ from pipec.library import parse_json
 FORMAT_NAME = "pipec.streams"
 FORMAT_VERSION = 1
 _REQUIRED = ("format", "version", "ranks", "microbatches", "chunks", "stages", "placement", "streams")
-_OPTIONAL = ("schedule", "params", "memory_bound", "has_comms", "forward_only")
+_OPTIONAL = ("schedule", "params", "memory_bound", "has_comms", "forward_only", "sync_groups")
 _MAX_NAME = 200  # characters of the schedule's name and of a parameter's name
 _MAX_INT = 10**18  # a parameter's magnitude, as in .pipe integer literals
 _MAX_AMOUNT = 1e15  # a memory bound, in activation units
@@ -39,6 +39,8 @@ def dump_json(program: Program) -> str:
     }
     if program.forward_only:  # written only when set, so that training schedules' files stay as they were
         document["forward_only"] = True
+    if program.sync_groups:  # likewise: programs without SYNCs keep their files byte for byte
+        document["sync_groups"] = [list(group) for group in program.sync_groups]
     return json.dumps(document, indent=1) + "\n"
 
 
@@ -110,8 +112,15 @@ def load_json(text: str, where: str = "<json>", expected: Mapping[str, int | Non
     def error_at(rank: int, index: int, message: str) -> PipecSyntaxError:
         return PipecSyntaxError(f"{where}: streams[{rank}][{index}]: {message}")
 
+    groups = doc.get("sync_groups", [])
+    _require(
+        isinstance(groups, list)
+        and all(isinstance(g, list) and all(_is_int(s) for s in g) for g in groups),
+        where,
+        f"'sync_groups' must be a list of lists of stage numbers, got {brief(groups)}",
+    )
     program = program_from_streams(
-        streams, where, name, expected or {}, error_at, doc["microbatches"], tuple(placement)
+        streams, where, name, expected or {}, error_at, doc["microbatches"], tuple(placement), groups
     )
     return replace(
         program,
@@ -169,7 +178,8 @@ def _has_comms(value: Any, program: Program, where: str) -> bool:
         rank, index, action = next(
             (r, k, i) for r, s in enumerate(program.streams) for k, i in enumerate(s) for a in i.parts if a.kind.is_comm
         )
-        raise PipecSyntaxError(f"{where}: streams[{rank}][{index}]: {action} is a send/recv, but 'has_comms' is false")
+        what = "a SYNC (placed only with the send/recv)" if action.kind.is_collective else "a send/recv"
+        raise PipecSyntaxError(f"{where}: streams[{rank}][{index}]: {action} is {what}, but 'has_comms' is false")
     placement = program.stage_to_rank
     if any(placement[s] != placement[s + 1] for s in range(len(placement) - 1)):
         _require(False, where, "'has_comms' is true, but the streams have no send/recv instructions between ranks")

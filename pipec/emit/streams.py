@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from pipec.errors import PipecError, PipecInputError, PipecSyntaxError
-from pipec.ir import Instruction, Program, parse_instruction
+from pipec.ir import Instruction, Kind, Program, parse_instruction
+from pipec.passes.sync import check_groups
 
 # The longest instruction pipec writes, an overlapped pair of two 18-digit actions, is under 100 characters.
 # Longer words are refused before int() sees them (int() of a 4,300-digit number raises, and a huge word would
@@ -54,9 +55,11 @@ def program_from_streams(
     error_at: ErrorAt,
     microbatches: int | None = None,
     placement: tuple[int, ...] | None = None,
+    sync_groups: Sequence[Sequence[int]] = (),
 ) -> Program:
     """Check the streams against the file's own extent and the caller's flags (`expected`); infer what the file
-    does not declare (`microbatches`, `placement`: None for text and CSV)."""
+    does not declare (`microbatches`, `placement`: None for text and CSV). `sync_groups`: the groups the file
+    declares; a SYNC must name one of them (its third number is the group, not a micro-batch)."""
     ranks = len(streams)
     if ranks == 0:
         raise PipecSyntaxError(f"{where}: the file lists no ranks")
@@ -69,6 +72,11 @@ def program_from_streams(
                 stage, kind, mb = action
                 if stage > top_stage[0]:
                     top_stage = (stage, rank, index)
+                if kind is Kind.SYNC:
+                    if mb >= len(sync_groups):
+                        declared_groups = f"{len(sync_groups)} declared" if sync_groups else "the file declares none"
+                        raise error_at(rank, index, f"{action} names sync group {mb}, but {declared_groups}")
+                    continue
                 if mb > top_mb[0]:
                     top_mb = (mb, rank, index)
                 if not kind.is_compute:
@@ -123,6 +131,10 @@ def program_from_streams(
         )
     if stages % ranks:
         raise PipecInputError(f"{where}: {stages} stages do not divide evenly over {ranks} ranks")
+    try:
+        groups = check_groups(sync_groups, stages)
+    except PipecInputError as e:
+        raise PipecSyntaxError(f"{where}: {e.message}") from None
     # V = S / P stages on every rank: the chunk numbers (F[c], the pictures' shades, the runtime's stage objects)
     # assume it, and a rank holding nothing would be a rank that silently idles
     held = [0] * ranks
@@ -152,4 +164,5 @@ def program_from_streams(
         params=dict(inferred),
         source=where,
         has_comms=has_comms,
+        sync_groups=groups,
     )

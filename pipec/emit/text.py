@@ -1,6 +1,7 @@
 """Text streams: one line per rank, `rank R: ` then the instructions as torch action strings.
 
-A line without send/recv instructions is also valid `.pipe` literal syntax for a hand-made schedule.
+A line without send/recv instructions is also valid `.pipe` literal syntax for a hand-made schedule. A program
+with sync groups (``Program.sync_groups``) adds one line per group after the ranks, `sync G: STAGE STAGE ...`.
 """
 
 from __future__ import annotations
@@ -15,16 +16,20 @@ from pipec.ir import Instruction, Program
 # `rank N` before the colon: ASCII digits only (str.isdigit() also takes '²', which int() refuses), and few
 # enough that int() converts them; the number is then checked against the number of rank lines
 _HEAD = re.compile(r"\s*rank\s+([0-9]{1,100})\s*")
+_SYNC_HEAD = re.compile(r"\s*sync\s+([0-9]{1,100})\s*")
 
 
 def dump_text(program: Program) -> str:
-    return "".join(f"rank {rank}: {' '.join(map(str, stream))}\n" for rank, stream in enumerate(program.streams))
+    ranks = "".join(f"rank {rank}: {' '.join(map(str, stream))}\n" for rank, stream in enumerate(program.streams))
+    return ranks + "".join(f"sync {g}: {' '.join(map(str, stages))}\n" for g, stages in enumerate(program.sync_groups))
 
 
 def load_text(text: str, where: str = "<text>", expected: Mapping[str, int | None] | None = None) -> Program:
     lines = text.splitlines()
     rank_lines: dict[int, int] = {}  # rank -> its line number (1-based)
     streams: dict[int, list[Instruction]] = {}
+    group_lines: dict[int, int] = {}  # sync group -> its line number
+    groups: dict[int, tuple[int, ...]] = {}
 
     def span(number: int, column: int = 1, width: int = 0) -> Span:
         line = lines[number - 1]
@@ -34,9 +39,20 @@ def load_text(text: str, where: str = "<text>", expected: Mapping[str, int | Non
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         head, sep, body = line.partition(":")
+        sync = _SYNC_HEAD.fullmatch(head)
+        if sep and sync is not None:
+            group = int(sync[1])
+            if group in group_lines:
+                previous = group_lines[group]
+                raise PipecSyntaxError(f"sync group {group} already has a line (line {previous})", span(number))
+            if not all(word.isascii() and word.isdigit() and len(word) <= 9 for word in body.split()):
+                raise PipecSyntaxError("expected 'sync G: STAGE STAGE ...' (stage numbers)", span(number))
+            group_lines[group] = number
+            groups[group] = tuple(int(word) for word in body.split())
+            continue
         match = _HEAD.fullmatch(head)
         if not sep or match is None:
-            raise PipecSyntaxError("expected 'rank N: ACTION ACTION ...'", span(number))
+            raise PipecSyntaxError("expected 'rank N: ACTION ACTION ...' or 'sync G: STAGE STAGE ...'", span(number))
         rank = int(match[1])
         if rank in rank_lines:
             raise PipecSyntaxError(
@@ -75,4 +91,14 @@ def load_text(text: str, where: str = "<text>", expected: Mapping[str, int | Non
             column += len(word)
         return PipecSyntaxError(message, span(number))
 
-    return program_from_streams([streams[r] for r in range(ranks)], where, "text", expected or {}, error_at)
+    for group, number in group_lines.items():
+        if group >= len(group_lines):
+            raise PipecSyntaxError(
+                f"sync group {group} is out of range: the file has {len(group_lines)} 'sync' line(s), so groups are "
+                f"0..{len(group_lines) - 1}",
+                span(number),
+            )
+    sync_groups = [groups[g] for g in range(len(groups))]
+    return program_from_streams(
+        [streams[r] for r in range(ranks)], where, "text", expected or {}, error_at, sync_groups=sync_groups
+    )

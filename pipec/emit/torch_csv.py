@@ -17,11 +17,17 @@ from collections import Counter
 from collections.abc import Mapping
 
 from pipec.emit.streams import parse_word, program_from_streams
-from pipec.errors import PipecSyntaxError, Span
+from pipec.errors import PipecInputError, PipecSyntaxError, Span
 from pipec.ir import Action, Instruction, Kind, Overlap, Program
 
 
 def dump_torch_csv(program: Program, with_comms: bool) -> str:
+    if program.sync_groups:
+        raise PipecInputError(
+            "a torch CSV cannot carry this program's sync groups (SYNC, the all-reduce of shared parameters' "
+            "gradients between stages): torch's runtime keeps one copy of each stage and has no cross-stage "
+            "all-reduce; write --format text or json, or run it with `pipec run`"
+        )
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     if with_comms:

@@ -250,7 +250,8 @@ def _on_cpu(value: Any) -> Any:
 def merge_optimizer_states(parts: Iterable[dict | None]) -> dict:
     """One optimizer state from the ranks' parts (each holding its own parameters): the states side by side, and
     the groups merged by their hyperparameters (not by position: a rank holding only biases may have only the
-    no-decay group of an optimizer that gives others a decay group first), each with every rank's names."""
+    no-decay group of an optimizer that gives others a decay group first), each with every rank's names, each
+    once (the copies of a parameter tied across ranks hold the same state under its first name)."""
     state: dict = {}
     groups: list[dict] = []
     keys: list[str] = []  # per merged group, its hyperparameters as text (values may be tensors or tuples)
@@ -260,8 +261,9 @@ def merge_optimizer_states(parts: Iterable[dict | None]) -> dict:
         state.update(part["state"])
         for group in part["param_groups"]:
             key = repr(sorted((k, v) for k, v in group.items() if k != "params"))
-            if key in keys:
-                groups[keys.index(key)]["params"] += group["params"]
+            if key in keys:  # (a parameter tied across ranks: every copy's rank lists it, under one name)
+                merged = groups[keys.index(key)]["params"]
+                merged += [name for name in group["params"] if name not in merged]
             else:
                 keys.append(key)
                 groups.append({**group, "params": list(group["params"])})

@@ -14,6 +14,7 @@ from pipec.runtime.objects import broadcast_object, gather_objects
 from pipec.runtime.options import Options
 from pipec.runtime.runner import Runner
 from pipec.runtime.status import RankStatus
+from pipec.runtime.ties import share_tied
 
 CHECKPOINT_WAIT_S = 1800.0  # how long the other ranks wait for rank 0 to write a checkpoint (or --timeout)
 
@@ -71,6 +72,7 @@ class CheckpointWriter:
             model.update(state)
         # In the unsplit model's layer order (a rank's stages need not be consecutive: a V placement), as --save writes.
         model = dict(sorted(model.items(), key=lambda item: int(item[0].partition(".")[0])))
+        model = share_tied(model, runner.ties)  # a parameter tied across ranks: stored once, under each key
         optimizer = checkpoint.merge_optimizer_states(opt for _, opt in parts)
         program, count = runner.program, len(runner.work.batches)
         spec = checkpoint.state_spec(model)

@@ -42,7 +42,8 @@ def measured_costs(program: Program, ranks: list[dict]) -> dict | None:
     the model as P consecutive segments (its stages at V=1): segment k sums stages kV .. kV+V-1, the units of
     `--per-rank-share` and of `pipec tune`; at V=1 a segment is a stage. With replicas, the median over them.
     Schedules with a split backward give F, I, W; those with B give F, and I = W = B / 2 (the split is not
-    measured; B = I + W is kept). Forward-only runs give F only. None without a step to measure."""
+    measured; B = I + W is kept). Forward-only runs give F only. With parameters tied across ranks, `sync`: one
+    SYNC's time (the smallest measured, see below). None without a step to measure."""
     per_stage: dict[int, dict[str, list[float]]] = {}
     for row in ranks:
         for stage, kinds in row.get("stage_ms", {}).items():
@@ -63,4 +64,9 @@ def measured_costs(program: Program, ranks: list[dict]) -> dict | None:
     for name in names:
         row = [sum(med[k * chunks + c].get(name, 0.0) for c in range(chunks)) for k in range(program.ranks)]
         out[name] = [round(v, 6) for v in row]  # ms to the nanosecond: the cost file's precision is plenty
+    synced = [ms for kinds in per_stage.values() for ms in kinds.get("SYNC", [])]
+    if synced:
+        # A SYNC blocks until every member has reached it: the member that arrives last measures the collective
+        # alone, the others also their wait for it. The smallest measured is the simulator's `sync`.
+        out["sync"] = round(min(synced), 6)
     return out

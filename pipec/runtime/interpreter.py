@@ -55,6 +55,14 @@ Split backward: F records the output of every layer with parameters. I asks auto
 stage input and of those layer outputs (keeping the graph); W then continues, layer by layer, from each
 recorded output and its gradient to that layer's parameters only, so no part of the backward runs twice. (In a
 stage where two layers share a parameter, I runs the whole backward and W has nothing to do: stages.Stage.tied.)
+
+SYNC(s, g) (a parameter tied across ranks, ties.py): the gradients of sync group g's parameters, complete on this
+rank once its last W (or B) of the group's stages has run, are summed with the group's other member ranks (one
+bucketed all-reduce on the group's process group, `syncs[g]`), blocking until every member has reached it. It
+is an entry of its own. insert_syncs places it after the rank's last send/recv, and it first waits for every
+batch still outstanding, as the end of the step does: when a rank enters the collective nothing of its own is in
+flight, so the collective never interleaves with the verified p2p order (under NCCL a collective and p2p on two
+communicators could otherwise wait for each other), and the verifier proves the stream with its SYNCs.
 """
 
 from __future__ import annotations
@@ -73,6 +81,7 @@ from pipec.errors import PipecError
 from pipec.ir import Action, Instruction, Kind, Overlap, Program
 from pipec.p2p_rule import peer_of, receive_for
 from pipec.runtime.buffers import _buffers, _give_back
+from pipec.runtime.replicas import sum_gradients
 from pipec.runtime.stages import Boundary, Stage, detached, tensors, to_boundary
 from pipec.runtime.timing import Clock, HostClock
 from pipec.verify.memory import DEFAULT_INPUT_FRACTION
@@ -128,6 +137,11 @@ class Context:
     waiting: int = -1  # the plan entry of the batch being waited for, or -1
     outstanding: dict = field(default_factory=dict)  # plan entry -> Posted, in posting order
     plan: list = field(default_factory=list)  # the entries being run
+    # SYNC: sync group -> (its process group, this rank's parameters of it: ties.group_parameters), and the
+    # step's seconds in them with each SYNC's (action, start, seconds)
+    syncs: dict = field(default_factory=dict)
+    sync_s: float = 0.0
+    synced: list = field(default_factory=list)
 
     @property
     def last_stage(self) -> int:
@@ -428,6 +442,22 @@ def complete(ctx: Context, batch: int) -> None:
     ctx.comm_s += elapsed
 
 
+def synchronize(ctx: Context, entry: Entry) -> None:
+    """SYNC(s, g): sum the gradients of group g's tied parameters with its other members (see the module's
+    docstring); `waiting` names it meanwhile, for the guard thread and error messages."""
+    action = entry.actions[0]
+    group, params = ctx.syncs[action.mb]
+    for batch in list(ctx.outstanding):  # insert_syncs puts it after the rank's last send/recv: wait for them
+        complete(ctx, batch)
+    ctx.waiting = ctx.pc
+    start = perf()
+    sum_gradients(params, group, ctx.events if ctx.tracing else None, f"{action} (sync group {action.mb})")
+    elapsed = perf() - start
+    ctx.waiting = -1
+    ctx.sync_s += elapsed
+    ctx.synced.append((action, start, elapsed))
+
+
 def _begin(ctx: Context) -> float:
     """The start of a compute action's torch calls: the host's time, and on a GPU an event on the compute stream
     (what the GPU did, resolved after the step: timing.py). The event's record is a CUDA call like the
@@ -461,7 +491,8 @@ class Entry(NamedTuple):
 
 
 def plan(stream: tuple[Instruction, ...], receives_ahead: int = 0) -> list[Entry]:
-    """The stream as plan entries: each compute instruction alone, each maximal run of SEND/RECV one batch.
+    """The stream as plan entries: each compute instruction alone, each maximal run of SEND/RECV one batch, each
+    SYNC alone (it ends the run of SEND/RECV before it).
     Each compute entry lists the batches it must wait for (rule 2), found once here rather than every step.
 
     With `receives_ahead` = k > 0 (gloo only: see the module's docstring), the receives of batch j are posted
@@ -470,7 +501,7 @@ def plan(stream: tuple[Instruction, ...], receives_ahead: int = 0) -> list[Entry
     batches: list[tuple[int, list[Action]]] = []  # (index of its first instruction, its actions) per batch
     items: list = []  # in stream order: (index, compute instruction), or the number of a batch
     for index, instruction in enumerate(stream):
-        if isinstance(instruction, Action) and instruction.kind.is_comm:
+        if isinstance(instruction, Action) and instruction.kind.is_p2p:
             if not items or type(items[-1]) is not int:
                 batches.append((index, []))
                 items.append(len(batches) - 1)
@@ -502,6 +533,9 @@ def plan(stream: tuple[Instruction, ...], receives_ahead: int = 0) -> list[Entry
                         post(early, after + upcoming.index(early[0]))
             continue
         index, instruction = item
+        if isinstance(instruction, Action) and instruction.kind.is_collective:
+            entries.append(Entry(synchronize, (instruction,), index))
+            continue
         parts = instruction.parts if isinstance(instruction, Overlap) else (instruction,)
         waits = [held.pop(key) for key in map(receive_for, parts) if key in held]  # the receives feeding it
         entries.append(Entry(compute, parts, index, tuple(dict.fromkeys(waits))))
@@ -514,6 +548,8 @@ def run(ctx: Context, entries: list[Entry], inputs: list, targets: list) -> floa
     ctx.inputs, ctx.targets, ctx.loss, ctx.plan = inputs, targets, 0.0, entries
     ctx.losses = []
     ctx.timed = []
+    ctx.synced = []
+    ctx.sync_s = 0.0
     ctx.outstanding.clear()  # only a failed step could have left any
     ctx.received.clear()  # the same (their buffers are left to be freed, not reused)
     start = perf()
@@ -539,5 +575,5 @@ def check_program(program: Program) -> None:
     for stream in program.streams:
         for instruction in stream:
             for action in instruction.parts:
-                if action.kind not in DISPATCH:
+                if action.kind not in DISPATCH and not action.kind.is_collective:
                     raise RuntimeError(f"no handler for {action}")

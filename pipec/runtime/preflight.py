@@ -13,7 +13,7 @@ import torch
 
 from pipec.errors import PipecError, PipecInputError
 from pipec.ir import Program
-from pipec.runtime import checkpoint, stages, workload
+from pipec.runtime import checkpoint, stages, ties, workload
 from pipec.runtime.agreement import boundary_problem
 from pipec.runtime.options import Options
 
@@ -35,8 +35,8 @@ def validate(program: Program, options: Options) -> Options:
         stages.optimal_partition([1.0] * len(work.layers), program.num_stages)
     dtype = stages.compute_dtype(options.dtype)
     _dry_run(options.model, work, sizes, inputs[0], targets[0], training=not program.forward_only, dtype=dtype)
-    if sizes is not None and not program.forward_only:
-        stages.check_tied(work.layers, sizes, program.stage_to_rank, options.model)
+    if sizes is not None:  # parameters tied across ranks: the program with their SYNCs must verify (exit 1)
+        ties.with_syncs(program, work.layers, sizes, options.model)
     if not program.forward_only:
         params = [p for p in work.layers.parameters() if p.requires_grad]
         try:

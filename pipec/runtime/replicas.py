@@ -84,6 +84,42 @@ def buckets(grads: list[torch.Tensor], limit: int = BUCKET_BYTES) -> list[list[t
     return out
 
 
+def sum_gradients(params: list, group, events: list | None = None, label: str = "sync") -> float:
+    """Replace each parameter's gradient by its sum over `group` (SUM all-reduces, bucketed as `average_gradients`
+    buckets): a SYNC of tied parameters (ties.py). A parameter without a gradient on this rank takes part with
+    zeros (it gets one: another member's may be non-zero), so every member reduces the same buckets. Returns the
+    seconds spent; `events` receives one (name, "sync", start, duration) per all-reduce, for the trace."""
+    seconds = 0.0
+    grads = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    parts = buckets([g for g in grads if not g.is_sparse])
+    for index, bucket in enumerate(parts):
+        start = time.perf_counter()
+        if len(bucket) == 1 and bucket[0].is_contiguous():  # no copy in and out of a flat buffer
+            dist.all_reduce(bucket[0], group=group)
+        else:
+            flat = _flatten_dense_tensors(bucket)
+            dist.all_reduce(flat, group=group)
+            for g, total in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+                g.copy_(total)
+        elapsed = time.perf_counter() - start
+        seconds += elapsed
+        if events is not None:
+            events.append((f"{label} bucket {index + 1}/{len(parts)}", "sync", start, elapsed))
+    for g in grads:
+        if g.is_sparse:  # (gloo sums sparse gradients; NCCL has no sparse all-reduce)
+            start = time.perf_counter()
+            dist.all_reduce(g, group=group)
+            elapsed = time.perf_counter() - start
+            seconds += elapsed
+            if events is not None:
+                events.append((f"{label} sparse", "sync", start, elapsed))
+    return seconds
+
+
 def average_gradients(
     stages: dict, group, replicas: int, flag: bool | None, events: list | None = None
 ) -> tuple[float, bool]:

@@ -23,6 +23,7 @@ from pipec.runtime.objects import all_gather_objects, gather_objects
 from pipec.runtime.options import Options
 from pipec.runtime.runner import Runner
 from pipec.runtime.status import RankStatus
+from pipec.runtime.ties import share_tied
 from pipec.runtime.trace import trace_text
 from pipec.verify.memory import peak_activations
 
@@ -50,7 +51,8 @@ def summarise(
     optimizer = sum(r[2].optimizer_s for r in records)
     # the interpreter's own cost: the loop's time outside torch's compute calls and the p2p batches (the host's
     # time in those calls, also on a GPU, where compute_s is the GPU's)
-    interpreter_s = sum(r[2].loop_s for r in records) - sum(r[2].host_compute_s for r in records) - comm
+    sync = sum(r[2].sync_s for r in records)
+    interpreter_s = sum(r[2].loop_s for r in records) - sum(r[2].host_compute_s for r in records) - comm - sync
     mine = {
         "rank": rank,
         "replica": runner.replica,
@@ -59,6 +61,7 @@ def summarise(
         "optimizer_s": optimizer,
         "comm_wait_s": comm,
         "allreduce_s": allreduce,
+        "sync_s": sync,  # the SYNCs of parameters tied across ranks (0 without): waiting for the group included
         "idle_s": sum(r[0] - r[2].wall_s for r in records),  # waiting for the slowest rank to finish the step
         "interpreter_s": interpreter_s,
         "instructions_per_step": instructions,
@@ -73,6 +76,8 @@ def summarise(
     if options.save:  # replica 0 holds the whole model (every replica holds the same weights)
         parts = gather_objects(runner.state_dict() if runner.replica == 0 else {}, dst=0)
         weights = {k: v for part in parts for k, v in part.items()} if parts is not None else None
+        if weights is not None and runner.ties:  # a tied parameter saved once, under each of its keys
+            weights = share_tied(weights, runner.ties)
     samples = runner.work.batches[0][0].shape[0]  # the D replicas' micro-batches make the whole batch
     median = statistics.median(step_times) if step_times else None
     report = {
@@ -133,12 +138,14 @@ def _say_summary(report: dict, say: Callable[[str], None]) -> None:
     if "baseline_samples_per_s" in report:
         say(f"one process, whole model: {report['baseline_samples_per_s']:.1f} samples/s")
     replicated = report["dp"] > 1  # the all-reduce column only where there is one
+    synced = any(r["sync_s"] for r in report["ranks"])  # the sync column only with ties across ranks
     say(
-        "rank  compute_s  comm_wait_s  " + ("allreduce_s  " if replicated else "")
+        "rank  compute_s  comm_wait_s  " + ("allreduce_s  " if replicated else "") + ("sync_s  " if synced else "")
         + "idle_s  interp_us/instr  peak_activations  predicted"
     )  # fmt: skip
     for r in report["ranks"]:
         allreduce = f"{r['allreduce_s']:11.4f}  " if replicated else ""
+        allreduce += f"{r['sync_s']:6.4f}  " if synced else ""
         say(
             f"{r['rank']:>4}  {r['compute_s']:9.4f}  {r['comm_wait_s']:11.4f}  {allreduce}{r['idle_s']:6.4f}  "
             f"{r['interpreter_us_per_instruction']:15.1f}  {r['peak_activations']:16g}  "

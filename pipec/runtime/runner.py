@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from pipec.errors import PipecInputError
 from pipec.ir import Program
-from pipec.runtime import checkpoint, interpreter, stages, timing, workload
+from pipec.runtime import checkpoint, interpreter, stages, ties, timing, workload
 from pipec.runtime.agreement import agree, direct_group, exchange_shapes
 from pipec.runtime.costs import per_op
 from pipec.runtime.feed import Feed
@@ -51,6 +51,7 @@ class StepStats:
     nonfinite: list[str] = field(default_factory=list)  # what this rank found not finite (then no optimizer step)
     host_compute_s: float = 0.0  # the host's time inside torch's compute calls (= compute_s on the CPU)
     op_s: dict = field(default_factory=dict)  # (stage, kind) -> mean seconds of one action of it this step
+    sync_s: float = 0.0  # inside the SYNCs of tied parameters (waiting for the group's members included)
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Runner:
     check_finite: bool = True
     time_base: float = field(default_factory=time.perf_counter)
     events: list = field(default_factory=list)  # (step, actions, category, start, duration), when tracing
+    ties: list = field(default_factory=list)  # the model's tied parameters (ties.Tie), synced where across ranks
 
     @classmethod
     def setup(
@@ -101,15 +103,20 @@ class Runner:
         device = group_device()
         inputs, _ = workload.split(work.batches[0], program.microbatches, replica, dp)
         sizes = agree(program, work, partition, inputs[0], dp, resume_step, device)
-        if not program.forward_only:  # (inference steps nothing: every copy of a tied weight stays the same)
-            stages.check_tied(work.layers, sizes, program.stage_to_rank)  # a profiled partition: known only here
+        # A parameter tied across ranks: the SYNCs that sum its copies' gradients (a profiled partition is known
+        # only here; every rank derives the same program from the agreed partition)
+        tied = ties.find_ties(work.layers, sizes)
+        program = ties.with_syncs(program, work.layers, sizes)
         mine = stages.build_stages(work.layers, sizes, program.stages_of(prank))
         for stage in mine.values():
             stage.to(device)
         mine = stages.build_stages(work.layers, sizes, program.stages_of(prank))  # parameter lists after .to()
         shapes = exchange_shapes(program, mine, inputs[0].to(device), compute_dtype)
         # Every rank creates every replica group, in the same order (new_group is collective).
-        group = replica_group(layout, rank, group_timeout(dist.get_backend(), p2p_timeout_s))
+        timeout = group_timeout(dist.get_backend(), p2p_timeout_s)
+        group = replica_group(layout, rank, timeout)
+        sync_groups = ties.process_groups(program, dp, rank, timeout)  # after the replica groups, on every rank
+        tied_params = ties.group_parameters(tied, program.sync_groups, work.layers)
         generators = [torch.default_generator]
         if device.type == "cuda":
             generators.append(torch.cuda.default_generators[device.index or 0])
@@ -130,14 +137,17 @@ class Runner:
             loss_scale=FP16_LOSS_SCALE if dtype == "fp16" else 1.0,
             clock=timing.clock_for(device),
             direct=direct_group(device, shapes),
+            syncs={g: (sync_groups[g], tied_params[g]) for g in sync_groups},
         )
-        # Each parameter once, under its first name (weights tied between stages of this rank: one parameter).
+        # Each parameter once, under its first name in the unsplit model (a weight tied between stages, of this
+        # rank or of several: one parameter, whose optimizer state every copy keys alike).
+        canonical = ties.aliases(tied)
         names: dict[int, str] = {}
         params = []
         for stage in mine.values():
             for name, p in stage.named_parameters():
                 if id(p) not in names:
-                    names[id(p)] = name
+                    names[id(p)] = canonical.get(name, name)
                     params.append(p)
         optimizer = workload.make_optimizer(work, params) if ctx.training else None
         interpreter.check_program(program)
@@ -146,7 +156,7 @@ class Runner:
         feed = Feed(device, program.microbatches, replica, dp, 0 in held, program.num_stages - 1 in held)
         return cls(
             program, work, rank, sizes, ctx, entries, optimizer, params, layout, group, names, feed, seed,
-            time_base=common_time_base(device),
+            time_base=common_time_base(device), ties=tied,
         )  # fmt: skip
 
     @property
@@ -200,6 +210,8 @@ class Runner:
         end = time.perf_counter()
         timed = ctx.clock.resolve(ctx.timed)
         compute_s, op_s = per_op(timed)
+        if ctx.synced:  # each SYNC's mean seconds, under (stage, "SYNC"), beside the compute actions' (costs.py)
+            op_s.update(per_op(ctx.synced)[1])
         if ctx.tracing:
             ctx.events.extend(((action,), action.kind.value, begin, seconds) for action, begin, seconds in timed)
         self.events.extend((self.step_index, *event) for event in ctx.events)
@@ -207,7 +219,7 @@ class Runner:
         loss = float(ctx.loss) if self.program.stage_to_rank[-1] == self.pipeline_rank else None
         return StepStats(
             end - start, loop_s, compute_s, ctx.comm_s, allreduce_s, ctx.clock.optimizer_s(opt_end - opt_start), loss,
-            nonfinite, ctx.compute_s, op_s,
+            nonfinite, ctx.compute_s, op_s, ctx.sync_s,
         )  # fmt: skip
 
     def nonfinite(self) -> list[str]:
@@ -243,7 +255,9 @@ class Runner:
         else:
             entry = self.entries[pc]
             text = f"step {self.step_index}, instruction {entry.first} ({entry.label})"
-        if waiting >= 0:
+        if waiting >= 0 and waiting == pc and self.entries[pc].run is interpreter.synchronize:
+            text += ", waiting for the sync group's other ranks"
+        elif waiting >= 0:
             batch = self.entries[waiting]
             text += f", waiting for the batch at instruction {batch.first} ({batch.label})"
         return text

@@ -303,27 +303,6 @@ def build_stages(layers, sizes: Sequence[int], wanted: Sequence[int]) -> dict[in
     return {s: Stage.build(s, starts[s], list(layers[starts[s] : starts[s + 1]])) for s in wanted}
 
 
-def check_tied(layers, sizes: Sequence[int], stage_to_rank: Sequence[int], spec: str | None = None) -> None:
-    """Refuse (bad input) a trainable parameter shared by layers that run on different ranks: each rank holds
-    and steps its own copy, so tied weights split across ranks would silently drift apart (nothing sums their
-    gradients). Shared by layers of one rank, in one stage or several, a parameter is one parameter there."""
-    stage_of = [stage for stage, size in enumerate(sizes) for _ in range(size)]
-    first: dict[int, tuple[int, str]] = {}  # id(parameter) -> (the first layer holding it, its name there)
-    for i, layer in enumerate(layers):
-        for name, p in layer.named_parameters():
-            if not p.requires_grad:
-                continue
-            j, first_name = first.setdefault(id(p), (i, f"{i}.{name}"))
-            a, b = stage_of[j], stage_of[i]
-            if stage_to_rank[a] != stage_to_rank[b]:
-                where = f"--model {spec}: " if spec else ""
-                raise PipecInputError(
-                    f"{where}layers {j} and {i} share a trainable parameter ({first_name} is {i}.{name}) but run on "
-                    f"ranks {stage_to_rank[a]} and {stage_to_rank[b]} (stages {a} and {b}): each rank would train "
-                    "its own copy; put both layers on one rank (--partition) or untie them"
-                )
-
-
 def describe(layers, sizes: Sequence[int], stage_to_rank: Sequence[int]) -> str:
     lines, start = [], 0
     for s, size in enumerate(sizes):

@@ -35,14 +35,15 @@ def clock_offset(samples: int = 7) -> float:
 def trace_text(events: list, title: str, ranks_per_replica: int | None = None) -> str:
     """The measured timeline as a Chrome trace, in the format of `pipec viz --trace` (pipec.viz.trace): one
     track per (global) rank, one slice per compute instruction, two per p2p batch (posting it, "comm", and
-    waiting for it, "wait"), one per gradient all-reduce ("allreduce", with --dp), an arrow from each send's
+    waiting for it, "wait"), one per gradient all-reduce ("allreduce", with --dp) and per bucket of a SYNC of
+    tied parameters ("sync"), an arrow from each send's
     posting to the end of the wait that delivered it (within its replica: `ranks_per_replica` is P)."""
     from pipec.ir import Kind
     from pipec.viz.trace import TraceEvent, TraceFlow, chrome_trace
 
     items, sends, receives = [], {}, {}
     for rank, step, actions, category, start, duration in events:
-        if isinstance(actions, str):  # an all-reduce: a name, no actions
+        if isinstance(actions, str):  # an all-reduce or a SYNC's bucket: a name, no actions
             items.append(TraceEvent(rank, actions, category, start, duration, {"step": step}))
             continue
         name = " ".join(map(str, actions))

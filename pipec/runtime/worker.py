@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from pipec.errors import PipecError
 from pipec.ir import Program
-from pipec.runtime import stages, workload
+from pipec.runtime import stages, ties, workload
 from pipec.runtime.checkpoint_writer import CheckpointWriter
 from pipec.runtime.objects import all_gather_objects
 from pipec.runtime.options import Options
@@ -40,6 +40,7 @@ def train(program: Program, options: Options, say=print, status: RankStatus | No
         options.resume_step if options.resume else 0, options.dtype,
     )  # fmt: skip
     runner.check_finite = not options.allow_nonfinite
+    program = runner.program  # with the SYNCs of parameters tied across ranks, if the model has any
     talk = rank == 0 and not options.quiet
     steps = options.steps or len(work.batches)
     start = options.resume_step if options.resume else 0
@@ -54,6 +55,8 @@ def train(program: Program, options: Options, say=print, status: RankStatus | No
         precision = f", --dtype {options.dtype} (autocast, float32 weights)" if options.dtype != "fp32" else ""
         say(f"{program.name}: {shape}, {world} processes{precision}")
         say("partition:\n" + stages.describe(work.layers, runner.sizes, program.stage_to_rank))
+        for line in ties.describe_ties(runner.ties, program):
+            say(line)
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if options.job is not None else "0"
         if restart != "0":
             say(f"torchrun restart {restart} of job {options.job}")

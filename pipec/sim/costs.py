@@ -18,6 +18,10 @@ Durations are in arbitrary time units (seconds if you measured seconds). Default
   a number or, in JSON, one per stage (of the pair's forward half), scaled by ``scale`` like the rest. Without it
   a pair takes the sum of its halves. A pair of a forward and an I or W takes the same share of its halves' sum as
   F & B would (FB / (F + B) of F + I, or of F + W).
+- ``sync``: the time of one SYNC (the all-reduce of a sync group's shared gradients, pipec.passes.sync), a number
+  or, in JSON, one per stage (a SYNC takes the largest value among its members' stages); default 0. It starts when
+  the last member is there (its host at the SYNC and, in order, its earlier batches complete) and ends on every
+  member at once; it counts as communication, not compute.
 - Memory (for the peak-activation figures, through ``pipec.verify.memory``): ``activation``, the activations of
   one micro-batch on a stage (a number or, in JSON, one per stage; default 1 unit everywhere) and
   ``input_fraction``, the share of them I frees (W frees the rest; default 0.5).
@@ -43,7 +47,7 @@ Value = float | tuple[float, ...]
 _COMPUTE = ("F", "B", "I", "W")
 _SCALARS = ("comm", "latency", "bandwidth", "size", "overlap", "input_fraction")
 _PAIR = "FB"  # the overlapped pair's own duration
-_KEYS = (*_COMPUTE, _PAIR, *_SCALARS, "scale", "activation")
+_KEYS = (*_COMPUTE, _PAIR, *_SCALARS, "scale", "activation", "sync")
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class Costs:
     scale: tuple[float, ...] | None = None
     activation: Value | None = None  # activations of one micro-batch on a stage (memory units); None: 1
     input_fraction: float = DEFAULT_INPUT_FRACTION
+    sync: Value = 0.0  # one SYNC collective (a number, or one per stage)
 
     @property
     def message_time(self) -> float:
@@ -104,6 +109,14 @@ class Costs:
             row = [v * f for v, f in zip(row, self.scale, strict=True)]
         return row
 
+    def sync_per_stage(self, stages: int) -> list[float]:
+        """The time of a SYNC named by each stage."""
+        if isinstance(self.sync, tuple):
+            if len(self.sync) != stages:
+                raise PipecInputError(f"cost 'sync' has {len(self.sync)} entries, the schedule has {stages} stages")
+            return [float(v) for v in self.sync]
+        return [float(self.sync)] * stages
+
     def describe(self) -> str:
         parts = [f"{k}={_text(getattr(self, k))}" for k in _COMPUTE]
         if self.FB is not None:
@@ -117,6 +130,8 @@ class Costs:
             parts.append("activation=" + _text(self.activation))
         if self.input_fraction != DEFAULT_INPUT_FRACTION:
             parts.append(f"input_fraction={self.input_fraction:g}")
+        if self.sync != 0:  # written only when set: the descriptions of runs without syncs stay as they were
+            parts.append("sync=" + _text(self.sync))
         return ",".join(parts)
 
 
@@ -234,6 +249,8 @@ def _from_mapping(data: Mapping, where: str) -> Costs:
         fields["scale"] = scale
     if "activation" in data:
         fields["activation"] = _value("activation", data["activation"], where)
+    if "sync" in data:
+        fields["sync"] = _value("sync", data["sync"], where)
     if fields.get("input_fraction", 0.0) > 1:  # type: ignore[operator]
         raise PipecInputError(f"{where}: input_fraction must be between 0 and 1")
     _derive_backward(fields, where)

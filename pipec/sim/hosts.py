@@ -13,7 +13,7 @@ from pipec.ir import Action, Kind
 from pipec.sim.refusals import early, misplaced, no_receive
 from pipec.sim.result import TimedOp
 from pipec.sim.state import Run
-from pipec.sim.steps import batch_steps, pair_runner
+from pipec.sim.steps import batch_steps, pair_runner, sync_runner
 
 
 def run_hosts(run: Run, record: bool) -> None:
@@ -23,6 +23,7 @@ def run_hosts(run: Run, record: bool) -> None:
     it waits for its outstanding batches (the step's end). A batch completion puts its rank back on the worklist."""
     start_tagged, start_in_order, advance_stream = batch_steps(run, record)
     run_pair = pair_runner(run)
+    run_sync = sync_runner(run)
     program, streams, where, S, n_mb = run.program, run.streams, run.where, run.S, run.n_mb  # noqa: N806
     tagged, joined, post_cost = run.tagged, run.joined, run.post_cost
     d_f, d_b, d_i, d_w = run.d_f, run.d_b, run.d_i, run.d_w
@@ -33,7 +34,7 @@ def run_hosts(run: Run, record: bool) -> None:
     time, position, busy, waited, finish = run.time, run.position, run.busy, run.waited, run.finish
     done, first, premature, timeline, ready = run.done, run.first, run.premature, run.timeline, run.ready
     # Enum members hash through Python code, so the hot loop compares kinds by identity only.
-    k_f, k_i, k_w = Kind.F, Kind.I, Kind.W
+    k_f, k_i, k_w, k_sync = Kind.F, Kind.I, Kind.W, Kind.SYNC
     k_sf, k_rf, k_sb, k_rb = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
     comm_kinds = (k_sf, k_rf, k_sb, k_rb)  # `in` on a tuple compares by identity first: no Enum hashing
     while ready:
@@ -128,6 +129,16 @@ def run_hosts(run: Run, record: bool) -> None:
                             head[rank] += 1
                     t += sent * post_cost
                     pos = end
+                    continue
+                if kind is k_sync:  # a collective: its time counts as waiting, not compute
+                    end_time = run_sync(rank, pos, instruction, t)
+                    if end_time < 0:
+                        break  # woken when its batches complete or the last member comes
+                    if record:
+                        line.append(TimedOp(rank, t, end_time, (instruction,)))
+                    wait += end_time - t
+                    t = end_time
+                    pos += 1
                     continue
                 # compute: wait for the batch holding the receive it consumes (rule 2), then run
                 if mb < 0 or mb >= n_mb or stage < 0 or where[stage] != rank:

@@ -82,7 +82,7 @@ def check_pair_order(program: Program) -> None:
     received: dict[int, list] = {}
     for rank, stream in enumerate(program.streams):
         for pos, action in enumerate(stream):
-            if type(action) is not Action or not action.kind.is_comm:
+            if type(action) is not Action or not action.kind.is_p2p:
                 continue
             peer, message = peer_of(action, where), message_id(action, program.microbatches)
             if action.kind in SENDS:
@@ -113,7 +113,10 @@ def deadlock_message(run: Run, stuck: list[int]) -> str:
         stream = program.streams[rank]
         pos = position[rank]
         at = f"is stuck at op {pos} {stream[pos]}" if pos < len(stream) else "is stuck at the end of the step"
-        if head[rank] == len(batches[rank]):  # cannot happen: the host stops at a compute or at the end
+        if head[rank] == len(batches[rank]) and pos < len(stream) and stream[pos].parts[0].kind is Kind.SYNC:
+            lines.append(f"rank {rank} {at}, waiting for {_absent(run, rank, stream[pos])}")
+            continue
+        if head[rank] == len(batches[rank]):  # cannot happen: the host stops at a compute, a SYNC or the end
             lines.append(f"rank {rank} {at}")
             continue
         b = batches[rank][head[rank]]
@@ -136,6 +139,14 @@ def deadlock_message(run: Run, stuck: list[int]) -> str:
                 waiting.append(f"{action} waits for rank {peer}'s {_ordinal(k + 1)} {what} to run")
         lines.append(f"rank {rank} {at}, waiting for batch [{batch}] (op {b_lo[b]}): " + "; ".join(waiting))
     return "\n".join(lines)
+
+
+def _absent(run: Run, rank: int, sync: Action) -> str:
+    """The members a stuck SYNC waits for: those not at their matching SYNC of the group."""
+    group = sync.mb
+    there = run.sync_arrived.get((group, run.sync_passed[rank].get(group, 0)), {})
+    missing = sorted(q for q in run.sync_members[group] if q not in there)
+    return f"rank(s) {missing} to reach their SYNC of group {group} (a collective starts when every member is there)"
 
 
 def _premature_send(program: Program, rank: int, pos: int, send_pos: int) -> str:

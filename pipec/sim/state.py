@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import deque
 
 from pipec.ir import Kind, Program
+from pipec.passes.sync import member_ranks
 from pipec.sim.costs import Costs
 from pipec.sim.result import Message, SimResult, TimedOp, peaks_of
 from pipec.verify.deadlock import batched
@@ -93,6 +94,15 @@ class Run:
         self.messages: list[Message] = []
         self.ready = deque(range(P))
 
+        # SYNC collectives (sim/steps.py sync_runner): per group its member ranks; per (group, k) the members at
+        # their k-th SYNC of it (rank -> (when it was there, its stage)) and, once all were, when it ends
+        self.d_sync = costs.sync_per_stage(S)
+        self.sync_members = [frozenset(member_ranks(g, where)) for g in program.sync_groups]
+        self.sync_passed: list[dict[int, int]] = [{} for _ in range(P)]
+        self.sync_arrived: dict[tuple[int, int], dict[int, tuple[float, int]]] = {}
+        self.sync_end: dict[tuple[int, int], float] = {}
+        self.sync_ops = 0  # SYNC instructions passed (not compute: for sound's count)
+
     def sound(self) -> bool:
         """Whether this completed run proves what `check_structure` checks, in a few C-speed passes over the
         arrays rather than the structure pass itself (flattening the program costs as much as the simulation).
@@ -114,7 +124,7 @@ class Run:
         elif min(self.grad_done, default=0.0) < 0:
             return False
         comm = sum(self.b_hi) - sum(self.b_lo)
-        compute = sum(map(len, self.streams)) - comm + self.pair_parts
+        compute = sum(map(len, self.streams)) - comm - self.sync_ops + self.pair_parts
         if compute != values * (1 if program.forward_only else 2) + input_done.count(-2.0):  # + one W per I
             return False
         where = self.where

@@ -135,6 +135,41 @@ def batch_steps(run: Run, record: bool) -> BatchSteps:
     return BatchSteps(start_tagged, start_in_order, advance_stream)
 
 
+def sync_runner(run: Run) -> Callable[[int, int, Action, float], float]:
+    """The step running a SYNC, bound to ``run``'s arrays (a collective: see pipec.sim.costs, ``sync``)."""
+    tagged, batches, head, stream_free, ready = run.tagged, run.batches, run.head, run.stream_free, run.ready
+    members, passed, arrived_at, ends, d_sync = (
+        run.sync_members, run.sync_passed, run.sync_arrived, run.sync_end, run.d_sync
+    )
+
+    def run_sync(rank: int, pos: int, instruction: Action, t: float) -> float:
+        """When the rank's SYNC at ``pos`` ends, or -1.0 while it waits: in order, for the rank's earlier batches
+        (woken when one completes); then for the other members (woken by the last to come)."""
+        stage, _, group = instruction
+        if not 0 <= group < len(members) or rank not in members[group]:
+            raise ScheduleError(f"rank {rank}: op {pos} {instruction} is a SYNC of no sync group this rank is in")
+        if tagged:
+            ready_at = t
+        elif head[rank] != len(batches[rank]):
+            return -1.0
+        else:
+            ready_at = t if t > stream_free[rank] else stream_free[rank]
+        key = (group, passed[rank].get(group, 0))
+        there = arrived_at.setdefault(key, {})
+        there.setdefault(rank, (ready_at, stage))
+        end = ends.get(key)
+        if end is None:
+            if len(there) < len(members[group]):
+                return -1.0
+            end = ends[key] = max(at for at, _ in there.values()) + max(d_sync[s] for _, s in there.values())
+            ready.extend(q for q in there if q != rank)
+        passed[rank][group] = key[1] + 1
+        run.sync_ops += 1
+        return end
+
+    return run_sync
+
+
 def pair_runner(run: Run) -> Callable[[int, int, Overlap, float], tuple[float, float]]:
     """The step running an overlapped pair, bound to ``run``'s arrays."""
     program, where, S, n_mb = run.program, run.where, run.S, run.n_mb  # noqa: N806

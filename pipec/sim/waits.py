@@ -10,14 +10,16 @@ have:
 - *post* (only with message time): a transfer starts when both batches run, so a receive posted just before the
   op that needs it does not hide the message time the ideal model hides behind the receiver's previous work.
 ``find_waits`` lists every such wait of a recorded nccl result (``simulate(..., record=True)``), earliest first,
-naming the rank, the op or batch that waits, and the op (and peer rank) it waits for.
+naming the rank, the op or batch that waits, and the op (and peer rank) it waits for. A SYNC (a collective, on the
+timeline as a batch of its one op) is no p2p wait: its time is the sync cost and the wait for the last member, and
+the walk back along the critical path stops at one.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from pipec.ir import Action
+from pipec.ir import Action, Kind
 from pipec.p2p_rule import SENDS, receive_for
 
 _EPS = 1e-9
@@ -29,6 +31,11 @@ class Wait(NamedTuple):
     rank: int
     kind: str  # "batch", "fifo" or "post"
     text: str
+
+
+def _is_sync(op) -> bool:
+    """A timed SYNC (recorded as a batch of its one op)."""
+    return op.is_comm and len(op.instruction) == 1 and op.instruction[0].kind is Kind.SYNC
 
 
 def _names(actions) -> str:
@@ -49,7 +56,8 @@ def find_waits(result) -> list[Wait]:
     waits: list[Wait] = []
     for rank, line in enumerate(result.timeline):
         compute = iter(op for op in line if not op.is_comm)
-        batches = iter(op for op in line if op.is_comm)
+        batches = iter(op for op in line if op.is_comm and not _is_sync(op))
+        syncs = iter(op for op in line if _is_sync(op))
         batch_of: dict[Action, object] = {}
         stream = program.streams[rank]
         host = 0.0
@@ -57,6 +65,10 @@ def find_waits(result) -> list[Wait]:
         pos = 0
         while pos < len(stream):
             instruction = stream[pos]
+            if type(instruction) is Action and instruction.kind is Kind.SYNC:
+                host = next(syncs).end
+                pos += 1
+                continue
             if type(instruction) is Action and instruction.kind.is_comm:
                 batch = next(batches)
                 pos += len(batch.instruction)
@@ -144,6 +156,8 @@ def critical_waits(result) -> list[Wait]:
             )
             continue
         op = node[1]
+        if _is_sync(op):
+            break  # what holds a collective is its last member: not a p2p wait of this rank
         rank, index = where[id(op)]
         _, is_batch, reached = items[rank][index]
         if node[0] == "end":  # a batch completes with its last op, when the later of the two batches started
@@ -225,11 +239,17 @@ def _host_items(result, post_cost: float) -> tuple[list[list[tuple]], dict[int, 
     batch_of: dict[tuple[int, Action], object] = {}
     for rank, line in enumerate(result.timeline):
         compute = iter(op for op in line if not op.is_comm)
-        batches = iter(op for op in line if op.is_comm)
+        batches = iter(op for op in line if op.is_comm and not _is_sync(op))
+        syncs = iter(op for op in line if _is_sync(op))
         stream, host, pos, mine = result.program.streams[rank], 0.0, 0, []
         while pos < len(stream):
             instruction = stream[pos]
-            if type(instruction) is Action and instruction.kind.is_comm:
+            if type(instruction) is Action and instruction.kind is Kind.SYNC:
+                op = next(syncs)
+                mine.append((op, False, host))
+                pos += 1
+                host = op.end
+            elif type(instruction) is Action and instruction.kind.is_comm:
                 op = next(batches)
                 mine.append((op, True, host))
                 for action in op.instruction:

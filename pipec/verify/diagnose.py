@@ -464,6 +464,9 @@ def _stream_diagnosis(program: Program, run: StreamRun) -> Diagnosis:
     """Compute orders that run but streams that do not: a send or receive placed where it holds the cycle."""
     streams = program.streams
     blocked = run.blocked
+    synced = _sync_diagnosis(program, run)
+    if synced is not None:
+        return synced
     queued = []  # (rank, op queued, op it is queued behind): from both sides of each "queued" wait
     for why in blocked.values():
         if why.behind >= 0 and why.state != "local":
@@ -531,6 +534,42 @@ def _stream_diagnosis(program: Program, run: StreamRun) -> Diagnosis:
     why = blocked[min(blocked)]  # pragma: no cover - every stuck wait above has one of those shapes
     text = f"rank {why.rank} at op {why.at} waits for rank {why.peer}'s op {why.peer_op}, which never runs"
     return Diagnosis(text, why.rank)
+
+
+def _sync_diagnosis(program: Program, run: StreamRun) -> Diagnosis | None:
+    """A SYNC in the cycle: placed before a send/recv that another rank needs before it can reach its own SYNC of
+    the group, or waiting for a member that issues no matching SYNC. None when no stuck rank waits at a SYNC."""
+    streams, blocked = program.streams, run.blocked
+    at_sync = {r: why for r, why in blocked.items() if why.state == "sync"}
+    if not at_sync:
+        return None
+    for rank, why in sorted(at_sync.items()):
+        sync = streams[rank][why.at]
+        # a rank that waits for an op of this one that comes after its SYNC: the host never gets there
+        for other in sorted(blocked.values(), key=lambda w: w.rank):
+            if other.peer == rank and other.peer_op > why.at and other.peer_state in ("posted", "queued"):
+                needed = streams[rank][other.peer_op]
+                text = (
+                    f"rank {rank}'s {sync} (op {why.at}) comes before its {needed} (op {other.peer_op}), which "
+                    f"rank {other.rank}'s {streams[other.rank][other.op]} (op {other.op}) needs, while the SYNC "
+                    f"waits for every member of group {sync.mb} to reach theirs; move {sync} after {needed}"
+                )
+                return Diagnosis(text, rank)
+    for rank, why in sorted(at_sync.items()):
+        if why.peer_state == "none":
+            sync = streams[rank][why.at]
+            text = (
+                f"rank {rank}'s {sync} (op {why.at}) waits for rank {why.peer}'s SYNC of group {sync.mb}, which rank "
+                f"{why.peer} never issues: every rank holding a stage of the group must issue as many SYNCs of it"
+            )
+            return Diagnosis(text, rank)
+    rank, why = min(at_sync.items())
+    sync = streams[rank][why.at]
+    text = (
+        f"rank {rank}'s {sync} (op {why.at}) waits for rank {why.peer}, which never reaches its SYNC of group "
+        f"{sync.mb}"
+    )
+    return Diagnosis(text, rank)
 
 
 def _producer(program: Program, rank: int, index: int) -> int | None:

@@ -19,7 +19,8 @@ KINDS = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, 
 SENDS = (SEND_F, SEND_B)
 
 
-_CODE_BY_VALUE = {kind.value: code for code, kind in enumerate(KINDS)}
+SYNC = 8  # not a key code (keys hold 3 bits): a SYNC gets no key, only a unit of its own and an entry in Flat.syncs
+_CODE_BY_VALUE = {kind.value: code for code, kind in enumerate(KINDS)} | {Kind.SYNC.value: SYNC}
 
 
 def code_of(kind: Kind) -> int:
@@ -87,6 +88,8 @@ class Flat:
     # (rank, op index) of each overlapped pair that is not one forward and one backward of two micro-batches (the
     # front end refuses those in a .pipe; a stream file may hold them): the structure check reports them
     bad_pairs: tuple[tuple[int, int], ...] = ()
+    # per rank, its SYNC instructions as (op index, stage, group), in stream order; each is a unit of its own
+    syncs: tuple[tuple[tuple[int, int, int], ...], ...] = ()
 
     @property
     def ops(self) -> tuple[list[tuple[int, int]], ...]:
@@ -98,6 +101,7 @@ class Flat:
                     (index, ((a.stage * mbs) + a.mb) * 8 + code_by_value[a.kind._value_])
                     for index, instruction in enumerate(stream)
                     for a in ((instruction,) if type(instruction) is Action else instruction.parts)
+                if a.kind is not Kind.SYNC
                 ]
                 for stream in self.program.streams
             )
@@ -139,7 +143,9 @@ def flatten(
     bad_pairs: list[tuple[int, int]] = []
     forward = Kind.F
     code_by_value = _CODE_BY_VALUE
+    all_syncs: list[tuple[tuple[int, int, int], ...]] = []
     for rank, stream in enumerate(streams):
+        rank_syncs: list[tuple[int, int, int]] = []
         # by peer; a dict holding only the peers this rank talks to (a few), not a list of P: that made flatten
         # quadratic in P (P = 10,000 ranks allocated 10^8 empty lists)
         sends: defaultdict[int, list[tuple[int, int]]] = defaultdict(list)
@@ -158,7 +164,14 @@ def flatten(
                 first, second = parts
                 if (first.kind is forward) is (second.kind is forward) or first.mb == second.mb:
                     bad_pairs.append((rank, index))
-            is_comm = code_by_value[parts[0].kind._value_] >= SEND_F
+            lead = code_by_value[parts[0].kind._value_]
+            if lead == SYNC:  # a collective: a unit of its own, ending any batch; it names a group, not an op
+                starts.append(index)
+                unit_of.append(len(starts) - 1)
+                in_batch = False
+                rank_syncs.append((index, instruction.stage, instruction.mb))
+                continue
+            is_comm = lead >= SEND_F
             if not (is_comm and in_batch):
                 starts.append(index)
             in_batch = is_comm and batched  # not batched: the next send/recv starts a unit of its own
@@ -233,6 +246,7 @@ def flatten(
                 channels.setdefault((rank, peer), ([], []))[0].extend(sends[peer])
             if peer in recvs:
                 channels.setdefault((peer, rank), ([], []))[1].extend(recvs[peer])
+        all_syncs.append(tuple(rank_syncs))
         all_starts.append(tuple(starts))
         all_unit_of.append(unit_of)
         peaks.append(0.0 if program.forward_only else peak)
@@ -241,5 +255,5 @@ def flatten(
     return Flat(
         program, mbs, where, duplicates, frozenset(misplaced), tuple(all_starts),
         tuple(all_unit_of), local, comm_keys, channels, tuple(peaks), {"ops": tuple(all_ops)}, batched,
-        tuple(bad_pairs),
+        tuple(bad_pairs), tuple(all_syncs),
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 from itertools import pairwise
 
 from pipec.ir import Action, Instruction, Kind, Program
+from pipec.passes.sync import member_ranks, sync_stage
 from pipec.verify.flat import RECV_B, RECV_F, SEND_B, SEND_F, B, F, Flat, I, W, flatten
 
 _MAX_REPORTED = 12
@@ -45,7 +46,48 @@ def check_structure(program: Program, flat: Flat | None = None) -> list[str]:
         _completeness(program, flat, found)
     if program.has_comms and (found or not _comms_at_a_glance(program, flat)):
         found.comms.extend(_comms(program, flat))
+    if program.sync_groups or any(flat.syncs):
+        found.other.extend(_syncs(program, flat))
     return found.render()
+
+
+def _syncs(program: Program, flat: Flat) -> list[str]:
+    """Each SYNC names a group that exists and, of the group's stages on its rank, the lowest; a rank holding no
+    stage of a group (or a group all on one rank) issues none; the member ranks of a group issue as many of its
+    SYNCs as each other (the k-th of each rank meets the k-th of the others)."""
+    out: list[str] = []
+    groups, placement = program.sync_groups, program.stage_to_rank
+    counts: dict[int, dict[int, list[int]]] = {}  # group -> rank -> op indices
+    for rank, rank_syncs in enumerate(flat.syncs):
+        for index, stage, group in rank_syncs:
+            action = program.streams[rank][index]
+            if not 0 <= group < len(groups):
+                out.append(f"rank {rank} op {index} {action}: there is no sync group {group} ({len(groups)} declared)")
+            elif rank not in member_ranks(groups[group], placement):
+                why = "holds no stage of it" if all(placement[s] != rank for s in groups[group]) else "is on one rank"
+                out.append(f"rank {rank} op {index} {action}: sync group {group} {groups[group]} {why}: no SYNC")
+            elif stage != sync_stage(groups[group], rank, placement):
+                out.append(
+                    f"rank {rank} op {index} {action}: rank {rank}'s SYNC of group {group} names its lowest stage of "
+                    f"the group, {sync_stage(groups[group], rank, placement)}"
+                )
+            else:
+                counts.setdefault(group, {}).setdefault(rank, []).append(index)
+    for group, stages in enumerate(groups):
+        members = member_ranks(stages, placement)
+        issued = counts.get(group, {})
+        numbers = {rank: len(issued.get(rank, ())) for rank in members}
+        if len(set(numbers.values())) > 1:
+            most = max(members, key=lambda r: numbers[r])
+            for rank in members:
+                if numbers[rank] < numbers[most]:
+                    k = numbers[rank]
+                    out.append(
+                        f"sync group {group} {stages}: rank {rank} issues {_plural(numbers[rank], 'SYNC')} of it, "
+                        f"rank {most} {numbers[most]}: rank {most}'s {program.streams[most][issued[most][k]]} "
+                        f"(op {issued[most][k]}) would wait forever for rank {rank}"
+                    )
+    return out
 
 
 def _pair_problem(pair: Instruction) -> str:
@@ -158,7 +200,13 @@ def _plural(n: int, word: str) -> str:
 
 
 def _actions(stream: tuple[Instruction, ...]) -> list[tuple[int, Action]]:
-    return [(index, action) for index, instruction in enumerate(stream) for action in instruction.parts]
+    """The ops (a SYNC names a group, not a micro-batch: _syncs checks those)."""
+    return [
+        (index, action)
+        for index, instruction in enumerate(stream)
+        for action in instruction.parts
+        if action.kind is not Kind.SYNC
+    ]
 
 
 def _complete_at_a_glance(program: Program, flat: Flat) -> bool:

@@ -3,9 +3,9 @@ steps on 2 gloo ranks, through `pipec run --model "pipec.hf:ARCH?..." --save` an
 the same 3 steps of the HF model's own forward (`labels=input_ids`) in one process. The weights saved by
 `pipec run` load back into the HF model (`load_state_dict`); tied embeddings stay one parameter.
 
-`pipec run` refuses a tie across ranks (until its stream-level sync lands), so its tied cases run under zbv, whose
-V placement holds the first and the last stage on rank 0; pipec.torch syncs ties across ranks (1f1b,
-interleaved_1f1b).
+Here `pipec run`'s tied cases run under zbv, whose V placement holds the first and the last stage on rank 0 (one
+parameter object); ties across ranks, synced by SYNC, are tests/runtime/test_hf_ties.py's. pipec.torch syncs ties
+across ranks (1f1b, interleaved_1f1b).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ CONFIGS = {
     "qwen2": {**LLAMA_LIKE, "tie_word_embeddings": True},
     "mistral": {**LLAMA_LIKE, "sliding_window": 4},  # untied; a window shorter than the sequence
 }  # fmt: skip
-# pipec run: (architecture, schedule, V); ties only where the placement keeps them on one rank
+# pipec run: (architecture, schedule, V); here ties only where the placement keeps them on one rank
 RUNS = [("gpt2", "zbv", 2), ("llama", "zbv", 2), ("qwen2", "1f1b", 1, {"tie_word_embeddings": False}),
         ("mistral", "interleaved_1f1b", 2)]  # fmt: skip
 # pipec.torch: (architecture, schedule, V), tied across ranks

@@ -36,7 +36,8 @@ def heavy_last() -> Workload:
 def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """One run of zb_h1 (split backward: F, I and W measured) on 2 gloo ranks, with a report and a trace."""
     where = tmp_path_factory.mktemp("costs")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")]))
+    here = str(Path(__file__).resolve().parent)  # the workload is this module's
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, str(SUPPORT), os.environ.get("PYTHONPATH", "")]))
     command = [
         sys.executable, "-m", "pipec", "run", "zb_h1", "-P", "2", "-M", str(M), "--model",
         "test_runtime_costs:heavy_last", "--partition", "4,3", "--steps", str(STEPS), "--backend", "gloo",

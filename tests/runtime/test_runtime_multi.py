@@ -113,7 +113,7 @@ def frozen_first():
 
 
 # Runs of those models: (key, schedule, model) per rank count. On 2 ranks zbv puts stages 0 and 3 on rank 0, so
-# the tied first and last layers share a rank; 1f1b would split them (refused: see the test).
+# the tied first and last layers share a rank (one parameter object; across ranks: tests/runtime/test_runtime_ties.py).
 SHAPES = {
     1: (
         (("zb_h1", "dependent"), "zb_h1", "dependent"),
@@ -293,16 +293,20 @@ def test_dependent_outputs_and_tied_weights_train_like_one_process(ranks: int, k
     assert run["report"]["losses"] == pytest.approx(losses, abs=1e-6)
 
 
-def test_a_weight_tied_across_ranks_is_refused_before_any_worker_starts() -> None:
-    """Each rank would train its own copy of it: bad input, naming the layers, the ranks and the way out."""
+def test_a_weight_tied_across_ranks_is_synced_and_a_program_syncing_other_stages_is_refused() -> None:
+    """Across ranks a tied weight is one parameter whose copies' gradients SYNC sums (trained in
+    tests/runtime/test_runtime_ties.py): checked before any worker starts, not refused. A program that already
+    syncs other stage groups (a stream file) than the model's ties need is bad input, naming both."""
+    from pipec.passes.sync import insert_syncs
     from pipec.runtime.options import Options
     from pipec.runtime.preflight import validate
 
+    validate(pipec.compile("1f1b", 2, 4), Options(model="test_runtime_multi:tied_ends"))
+    wrong = insert_syncs(pipec.compile("1f1b", 4, 4), [(0, 1)])
     with pytest.raises(PipecInputError) as caught:
-        validate(pipec.compile("1f1b", 2, 4), Options(model="test_runtime_multi:tied_ends"))
+        validate(wrong, Options(model="test_runtime_multi:tied_ends", partition="2,1,1,1"))
     message = caught.value.message
-    assert "layers 0 and 4 share a trainable parameter (0.weight is 4.weight)" in message
-    assert "run on ranks 0 and 1" in message and "--partition" in message
+    assert "syncs the stage groups [(0, 1)]" in message and "need [(0, 3)]" in message, message
 
 
 def test_forward_only_passes_tuples_between_stages() -> None:

@@ -16,6 +16,10 @@ of the point-to-point rule (docs/verification.md) literally, one lockstep round 
   completes once its message is there; batches complete in any order;
 - `torch` (torch's `_PipelineScheduleRuntime`, docs/torch.md): as `nccl`, except that every SEND/RECV instruction
   is posted as a batch of its own, never together with its neighbours;
+- a SYNC (a collective of its sync group) is reached by a rank once its host stands at it and, under `nccl` and
+  `torch`, every batch it posted has completed (the collective queues on the rank's one stream); the rank passes it
+  once every member rank of the group (the ranks holding the group's stages, when more than one) has reached its
+  SYNC of the same count: the k-th SYNC of a group on one member meets the k-th on the others;
 - a rank is finished when it reached the end of its stream and every batch it posted completed;
 - a program without send/recv instructions reads other ranks' tensors directly (one shared store).
 The run ends when a round makes no progress: it completed if every rank finished.
@@ -119,9 +123,28 @@ def run(program: Program, model: str) -> Outcome:
     mismatches: list[str] = []
     matched: Counter = Counter()
     pairs: list[tuple[tuple[list, Batch], tuple[list, Batch]]] = []
+    # sync groups: the ranks that hold each group's stages (none when one rank holds them all)
+    members = []
+    for stages in program.sync_groups:
+        holders = {place[s] for s in stages}
+        members.append(holders if len(holders) > 1 else set())
+    reached: dict[tuple[int, int], set[int]] = {}  # (group, k) -> the ranks that reached their k-th SYNC of it
+    passed: list[Counter] = [Counter() for _ in range(ranks)]  # per rank, group -> SYNCs passed
 
     def is_comm(instruction) -> bool:
-        return isinstance(instruction, Action) and instruction.kind.is_comm
+        return isinstance(instruction, Action) and instruction.kind.is_p2p
+
+    def try_sync(rank: int, group: int) -> bool:
+        if in_order and not all(b.completed for b in batches[rank]):
+            return False
+        if group >= len(members) or rank not in members[group]:
+            return False  # a SYNC of no group, or of one this rank is no member of: nobody meets it
+        count = (group, passed[rank][group])
+        reached.setdefault(count, set()).add(rank)
+        if not members[group] <= reached[count]:
+            return False
+        passed[rank][group] += 1
+        return True
 
     def post(rank: int, start: int, end: int) -> bool:
         ops = streams[rank][start:end]
@@ -206,7 +229,11 @@ def run(program: Program, model: str) -> Outcome:
             stream = streams[rank]
             if pc[rank] < len(stream):
                 instruction = stream[pc[rank]]
-                if is_comm(instruction):
+                if isinstance(instruction, Action) and instruction.kind is Kind.SYNC:
+                    if try_sync(rank, instruction.mb):
+                        pc[rank] += 1
+                        progress = True
+                elif is_comm(instruction):
                     end = pc[rank] + 1  # torch posts each send/recv by itself
                     while model != "torch" and end < len(stream) and is_comm(stream[end]):
                         end += 1

@@ -179,7 +179,16 @@ def _reason(program: Program, run: StreamRun, why: Blocked) -> str:
         if why.peer_state == "later":
             return f"{where} waits for its own op {_op(program, rank, why.peer_op)}, which comes later in its stream"
         return f"{where} waits for rank {why.peer} op {_op(program, why.peer, why.peer_op)} to run"
-    if why.state == "compute":
+    if why.state == "sync" and why.batch < 0:
+        where = f"rank {rank} at op {_op(program, rank, why.at)} waits for"
+        group = stream[why.at].mb
+        if why.peer_state == "none":
+            return f"{where} rank {why.peer}'s SYNC of group {group}, which rank {why.peer} never issues"
+        target = f"rank {why.peer} op {_op(program, why.peer, why.peer_op)}"
+        if why.peer_state == "posted":
+            return f"{where} {target} to be reached (a SYNC completes when every member of its group is there)"
+        return f"{where} {target}, reached but queued behind an earlier batch of rank {why.peer}"
+    if why.state in ("compute", "sync"):
         text = f"rank {rank} at op {_op(program, rank, why.at)} waits for {_batch_text(program, run, rank, why.batch)}"
     else:
         text = f"rank {rank} at the end of the step waits for {_batch_text(program, run, rank, why.batch)}"

@@ -56,7 +56,10 @@ class Blocked(NamedTuple):
 
     ``at``: the op index its host stands at (len(stream) when it reached the end of the step). ``state``:
     ``compute`` (a compute waiting for the batch holding one of its receives), ``local`` (an op waiting for one of
-    its own later ops, or for a compute on another rank), ``end`` (the end of the step, waiting for every batch).
+    its own later ops, or for a compute on another rank), ``end`` (the end of the step, waiting for every batch),
+    ``sync`` (a SYNC waiting for a member rank of its group: ``peer`` not there yet (``posted``), there but with an
+    earlier batch that never completes (``queued``), or issuing no matching SYNC (``none``); or, with ``batch`` set,
+    for its own earlier batch, read as for ``compute``).
     ``batch``: the batch waited for (index among the rank's batches), -1 for ``local``; ``behind``: the earlier
     batch of the rank it is queued behind (nccl), or -1. ``op``: the op of the blocking batch that cannot
     complete (or, for ``local``, the op that waits). ``peer``/``peer_op``: what that op waits for (-1: nothing

@@ -15,11 +15,13 @@ they did when the run was one function.
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
 
 from pipec.ir import Program
+from pipec.passes.sync import member_ranks
 from pipec.verify.deadlock.rule import IN_ORDER, check_model, flat_for
 from pipec.verify.deadlock.runs import Blocked, StreamRun, Wait, cut_units
 from pipec.verify.flat import RECV_B, RECV_F, SEND_F, B, F, Flat, I, W, counterpart_shift, receive_shift
@@ -38,6 +40,11 @@ class _Plan(NamedTuple):
     partner: list[dict[int, tuple[int, int]]]
     needs: list[dict[int, list[int]]]  # compute unit -> the batches holding the receives it consumes
     local: list[dict[int, list[Wait]]]  # unit -> its waits on an op of its own rank or a compute of another
+    # SYNC unit -> per member rank q of its group (itself included): (q, the unit of q's matching SYNC (-1: q has
+    # none), q's batches before it, its op index). The k-th SYNC of a group on each member matches the k-th on
+    # the others; it passes once every member's host stands at its match and (in order) has completed the batches
+    # before it: the collective is queued on the rank's one stream and blocks the host until all members join.
+    syncs: list[dict[int, list[tuple[int, int, int, int]]]]
 
 
 def _plan(flat: Flat, nccl: bool) -> _Plan:
@@ -46,8 +53,36 @@ def _plan(flat: Flat, nccl: bool) -> _Plan:
     batch_units, batch_of_unit = _batches(flat, ends)
     return _Plan(
         starts, unit_of, ends, batch_units, batch_of_unit, _partners(flat, nccl), _needs(flat, batch_of_unit),
-        _local_waits(flat),
+        _local_waits(flat), _sync_waits(flat, batch_units),
     )
+
+
+def _sync_waits(flat: Flat, batch_units: list[list[int]]) -> list[dict[int, list[tuple[int, int, int, int]]]]:
+    """Per rank, per SYNC unit: what it waits for (`_Plan.syncs`)."""
+    out: list[dict[int, list[tuple[int, int, int, int]]]] = [{} for _ in flat.starts]
+    if not any(flat.syncs):
+        return out
+    program, unit_of = flat.program, flat.unit_of
+    issued: dict[int, dict[int, list[int]]] = {}  # group -> rank -> its SYNC op indices in order
+    for rank, rank_syncs in enumerate(flat.syncs):
+        for index, _, group in rank_syncs:
+            issued.setdefault(group, {}).setdefault(rank, []).append(index)
+    for group, by_rank in issued.items():
+        known = 0 <= group < len(program.sync_groups)
+        members = member_ranks(program.sync_groups[group], program.stage_to_rank) if known else ()
+        members = tuple(sorted(set(members) | set(by_rank)))
+        for rank, indices in by_rank.items():
+            for k, index in enumerate(indices):
+                waits = []
+                for q in members:
+                    theirs = by_rank.get(q, ())
+                    if k < len(theirs):
+                        unit = unit_of[q][theirs[k]]
+                        waits.append((q, unit, bisect_left(batch_units[q], unit), theirs[k]))
+                    else:
+                        waits.append((q, -1, 0, -1))
+                out[rank][unit_of[rank][index]] = waits
+    return out
 
 
 def _batches(flat: Flat, ends: list[int]) -> tuple[list[list[int]], list[dict[int, int]]]:
@@ -241,19 +276,43 @@ def _host_mover(
     """move(rank): the host passes its units up to the first that waits (posting never blocks; a compute waits for
     the batches of its receives, a local wait for its op), then the batches complete (nccl: in order; tagged: all
     of them at the end of the step); again while anything moved."""
-    starts, ends, batch_units, batch_of_unit, needs, local = (
-        plan.starts, plan.ends, plan.batch_units, plan.batch_of_unit, plan.needs, plan.local
+    starts, ends, batch_units, batch_of_unit, needs, local, syncs = (
+        plan.starts, plan.ends, plan.batch_units, plan.batch_of_unit, plan.needs, plan.local, plan.syncs
     )
-    position, done, complete, _, tail, finish, b_start, b_done, on_position, _ = state
+    position, done, complete, _, tail, finish, b_start, b_done, on_position, on_done = state
 
     def move(rank: int) -> None:
         rank_starts, rank_needs, rank_local, fin = starts[rank], needs[rank], local[rank], finish[rank]
+        rank_syncs = syncs[rank]
         moved = True
         while moved:
             moved = False
             unit = position[rank]
             while unit < ends[rank]:  # the host
                 stop = False
+                if rank_syncs and unit in rank_syncs:  # a collective: every member there, its batches before done
+                    arrive = 0
+                    for q, their_unit, their_batches, _ in rank_syncs[unit]:
+                        if their_unit < 0:
+                            stop = True
+                        elif position[q] < their_unit:
+                            heapq.heappush(on_position[q], (their_unit, rank))
+                            stop = True
+                        elif nccl and done[q] < their_batches:
+                            heapq.heappush(on_done[q], (their_batches, rank))
+                            stop = True
+                        if stop:
+                            break
+                        arrive = max(arrive, finish[q][their_unit - 1] if their_unit else 0)
+                        if nccl and their_batches:
+                            arrive = max(arrive, b_done[q][their_batches - 1])
+                    if stop:
+                        break
+                    fin.append(arrive + 1)
+                    unit += 1
+                    position[rank] = unit
+                    moved = True
+                    continue
                 for q, threshold, _, _ in rank_local.get(unit, ()):
                     if (unit if q == rank else position[q]) < threshold:
                         if q != rank:
@@ -301,7 +360,19 @@ def _blocked_reason(rank: int, plan: _Plan, state: _State, nccl: bool) -> Blocke
     position, done, complete = state.position, state.done, state.complete
     unit = position[rank]
     at = starts[rank][unit]
-    if unit < plan.ends[rank]:
+    if unit < plan.ends[rank] and unit in plan.syncs[rank]:
+        for q, their_unit, their_batches, j in plan.syncs[rank][unit]:
+            if their_unit < 0:
+                return Blocked(rank, at, "sync", -1, -1, at, q, -1, "none")
+            if position[q] < their_unit:
+                return Blocked(rank, at, "sync", -1, -1, at, q, j, "posted")
+            if nccl and done[q] < their_batches and q != rank:
+                return Blocked(rank, at, "sync", -1, -1, at, q, j, "queued")
+            if nccl and done[q] < their_batches:
+                break  # its own earlier batch never completes: read below like a compute waiting for it
+        batch = done[rank]
+        state_name = "sync"
+    elif unit < plan.ends[rank]:
         for q, threshold, j, i in plan.local[rank].get(unit, ()):
             if (unit if q == rank else position[q]) < threshold:
                 return Blocked(rank, at, "local", -1, -1, i, q, j, "later" if q == rank else "run")

@@ -1,0 +1,160 @@
+"""Tied parameters across ranks (`pipec run`): one logical parameter held by layers on several ranks, such as a
+language model's input embedding and its LM head. Each rank holding it has its own copy (the model is built alike
+on every rank, so the copies start equal); the ranks sum the copies' gradients with a SYNC instruction in their
+streams (pipec.passes.sync.insert_syncs places it, the verifier proves it deadlock-free with the step's p2p, the
+interpreter runs it as one bucketed all-reduce), so every copy takes the same optimizer step and stays bitwise
+equal to the others, as one process would train the one parameter.
+
+- `find_ties`: every trainable parameter that several layers of the unsplit model hold, with its names there;
+- `sync_groups`: the stage sets (sync groups) of the ties whose stages run on more than one rank;
+- `with_syncs`: the program with its SYNCs for the model's ties under a partition (checked: exit 1 if the verifier
+  refuses it, exit 2 if a program already syncs other groups);
+- `process_groups`: one process group per sync group per replica (every rank creates every one, in one order);
+- `group_parameters`: this rank's copies of each sync group's parameters, in one order on every member;
+- `aliases` / `share_tied`: a state_dict's tied entries (each layer's key) as one tensor, stored once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+from pipec.errors import PipecInputError, ScheduleError
+from pipec.ir import Program
+
+
+@dataclass(frozen=True)
+class Tie:
+    """One trainable parameter held by several layers: its names in the unsplit model (`{layer}.{name}`, the first
+    one canonical: checkpoints key its optimizer state by it) and the stages holding it (sorted)."""
+
+    names: tuple[str, ...]
+    stages: tuple[int, ...]
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
+def stage_of_layers(sizes: Sequence[int]) -> list[int]:
+    return [stage for stage, size in enumerate(sizes) for _ in range(size)]
+
+
+def find_ties(layers, sizes: Sequence[int]) -> list[Tie]:
+    """The trainable parameters held by two or more layers, in the order of their first layer (the same on every
+    rank: the model is built alike everywhere)."""
+    stage_of = stage_of_layers(sizes)
+    names: dict[int, list[str]] = {}  # id(parameter) -> its names, in layer order
+    held: dict[int, set[int]] = {}
+    for i, layer in enumerate(layers):
+        for name, p in layer.named_parameters():
+            if p.requires_grad:
+                names.setdefault(id(p), []).append(f"{i}.{name}")
+                held.setdefault(id(p), set()).add(stage_of[i])
+    return [Tie(tuple(found), tuple(sorted(held[key]))) for key, found in names.items() if len(found) > 1]
+
+
+def sync_groups(ties: Sequence[Tie], stage_to_rank: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """The distinct stage sets of the ties that span two or more ranks, sorted: the program's sync groups. A tie
+    whose stages all run on one rank is one parameter object there and needs no sync."""
+    spanning = {tie.stages for tie in ties if len({stage_to_rank[s] for s in tie.stages}) > 1}
+    return tuple(sorted(spanning))
+
+
+def with_syncs(program: Program, layers, sizes: Sequence[int], spec: str | None = None) -> Program:
+    """`program` with the SYNCs that the model's ties need under the partition `sizes` (itself when none do, or
+    when it trains nothing), verified as the runtime runs it (the nccl p2p model). A program that already holds
+    SYNCs (a stream file) must sync exactly these groups."""
+    if program.forward_only:  # inference steps nothing: every copy of a tied weight stays the same
+        return program
+    groups = sync_groups(find_ties(layers, sizes), program.stage_to_rank)
+    if program.sync_groups and program.sync_groups != groups:
+        where = f"--model {spec}: " if spec else ""
+        raise PipecInputError(
+            f"{where}the schedule syncs the stage groups {list(program.sync_groups)}, but the model's tied "
+            f"parameters under the partition {','.join(map(str, sizes))} need {list(groups) or 'none'}"
+        )
+    if not groups or program.sync_groups:
+        return program
+    from pipec.passes.sync import insert_syncs
+    from pipec.verify import verify
+
+    synced = insert_syncs(program, groups)
+    report = verify(synced, p2p="nccl")
+    if not report.ok:  # a compiler bug rather than the user's: never run a program the verifier refuses
+        raise ScheduleError(f"{program.name} with the syncs of its tied parameters {list(groups)}:\n{report.render()}")
+    return synced
+
+
+def describe_ties(ties: Sequence[Tie], program: Program) -> list[str]:
+    """One line per tie that is synced across ranks, for the run's start-up lines."""
+    out = []
+    for tie in ties:
+        ranks = sorted({program.stage_to_rank[s] for s in tie.stages})
+        if len(ranks) > 1:
+            stages = ", ".join(map(str, tie.stages))
+            out.append(
+                f"tied: {' = '.join(tie.names)} (stages {stages} on ranks {', '.join(map(str, ranks))}): "
+                "one parameter, its gradient summed by SYNC"
+            )
+    return out
+
+
+def group_parameters(ties: Sequence[Tie], groups: Sequence[tuple[int, ...]], layers) -> dict[int, list]:
+    """Per sync group (its index), the parameters of the ties it syncs, in tie order (the same on every member),
+    as `layers` (this rank's model) holds them."""
+    out: dict[int, list] = {}
+    for g, stages in enumerate(groups):
+        params = []
+        for tie in ties:
+            if tie.stages == stages:
+                layer, _, name = tie.name.partition(".")
+                params.append(layers[int(layer)].get_parameter(name))
+        out[g] = params
+    return out
+
+
+_GROUPS: dict[tuple, list] = {}  # (default group, P, D, groups' ranks) -> per replica, per sync group: its group
+
+
+def process_groups(program: Program, replicas: int, rank: int, timeout: timedelta) -> dict[int, object]:
+    """This rank's process group of each sync group it is a member of (keyed by the group's index). Every rank
+    creates every group of every replica, replica by replica and group by group (new_group is collective over
+    the default group); later runs in the same process group with the same groups reuse them."""
+    import torch.distributed as dist
+
+    ranks = program.ranks
+    members = [sorted({program.stage_to_rank[s] for s in stages}) for stages in program.sync_groups]
+    if not members:
+        return {}
+    key = (id(dist.group.WORLD), ranks, replicas, tuple(map(tuple, members)))
+    if key not in _GROUPS:
+        _GROUPS[key] = [
+            [dist.new_group([replica * ranks + r for r in group], timeout=timeout) for group in members]
+            for replica in range(replicas)
+        ]
+    replica, prank = divmod(rank, ranks)
+    return {g: _GROUPS[key][replica][g] for g, group in enumerate(members) if prank in group}
+
+
+def aliases(ties: Sequence[Tie]) -> dict[str, str]:
+    """Each tied parameter's later names -> its first (canonical) name."""
+    return {alias: tie.name for tie in ties for alias in tie.names[1:]}
+
+
+def share_tied(state: dict, ties: Sequence[Tie]) -> dict:
+    """`state` (a whole model's state_dict gathered from the ranks) with each tie's later keys holding the very
+    tensor of its first key: torch.save then stores the parameter once, and load_state_dict still finds every
+    key. The copies must be bitwise equal (the syncs keep them so); a difference is a bug, never hidden."""
+    import torch
+
+    out = dict(state)
+    for alias, name in aliases(ties).items():
+        if alias in out and name in out:
+            a, b = out[alias], out[name]
+            if not torch.equal(a, b) and not bool(((a == b) | (a.isnan() & b.isnan())).all()):  # NaN: --allow-nonfinite
+                worst = (a.float() - b.float()).abs().max().item()
+                raise RuntimeError(f"the tied copies {name} and {alias} differ (by up to {worst:g}): not saved")
+            out[alias] = out[name]
+    return out

@@ -104,7 +104,9 @@ def _list_scheduler(
         raise PipecInputError(f"{len(stage_sizes)} stage sizes given for {template.num_stages} stages")
 
     def schedule(template: Program, rules: ChooseRules) -> Program:
-        passes_rules = Rules(rules.takes, priority=rules.priority, admit=rules.admit, limit=rules.limit)
+        passes_rules = Rules(
+            rules.takes, priority=rules.priority, admit=rules.admit, limit=rules.limit, overlap=rules.overlap
+        )
         return list_schedule(template, passes_rules, costs, input_fraction, stage_sizes)
 
     return schedule

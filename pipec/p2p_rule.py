@@ -41,13 +41,34 @@ class CostModel(Protocol):
 
     def per_stage(self, stages: int) -> Mapping[Kind, Sequence[float]]: ...
 
+    def pair_per_stage(self, stages: int) -> Sequence[float] | None: ...
+
 
 def is_default(costs: CostModel, stages: int) -> bool:
     """Whether ``costs`` time compute and messages exactly as the defaults do (memory fields and overlap aside)."""
-    if costs.message_time != DEFAULT_MESSAGE_TIME:
+    if costs.message_time != DEFAULT_MESSAGE_TIME or costs.pair_per_stage(stages) is not None:
         return False
     table = costs.per_stage(stages)  # raises on a per-stage list of the wrong length, naming the key
     return all(all(v == DEFAULT_DURATION[kind] for v in row) for kind, row in table.items())
+
+
+def pair_duration(
+    parts: Sequence[Action], serial: float, table: Mapping[Kind, Sequence[float]], pair: Sequence[float] | None
+) -> float:
+    """An overlapped pair's duration, the one rule every timed engine applies: ``serial`` (the sum of its halves'
+    durations) without a pair cost (``pair`` None, Costs.FB unset) or for a pair that is not one forward and one
+    backward; ``pair[s]`` (s the forward half's stage) for F & B; for F & I or F & W the share of ``serial`` that
+    F & B gets of F + B (an overlap hides the same fraction whichever backward runs beside the forward)."""
+    if pair is None:
+        return serial
+    first, second = parts
+    forward, backward = (first, second) if first.kind is Kind.F else (second, first)
+    if forward.kind is not Kind.F or backward.kind is Kind.F:
+        return serial
+    if backward.kind is Kind.B:
+        return pair[forward.stage]
+    full = table[Kind.F][forward.stage] + table[Kind.B][backward.stage]
+    return serial * pair[forward.stage] / full if full > 0 else serial
 
 
 # per send/recv kind: the step from its stage to the peer's stage, and whether it carries a gradient

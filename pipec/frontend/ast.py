@@ -263,6 +263,7 @@ class Choose:
     takes: tuple[Take, ...]
     prefer: tuple[Expr, ...]  # tie-breaks after the priority, higher first
     span: Span
+    overlap: bool = False  # `overlap`: pair the chosen op with a ready op of the other side (costs with FB)
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,6 +45,7 @@ class ChooseRules:
     priority: Callable[[Candidate], tuple]
     admit: Callable[[Candidate], bool]
     limit: Callable[[int], float | None] | None = None
+    overlap: bool = False  # the section's `overlap` line (Rules.overlap)
 
 
 ListScheduler = Callable[[Program, ChooseRules], Program]  # the template's orders under the rules
@@ -178,7 +179,7 @@ def choose_spec(
         guard = tables[c.rank][c.kind, c.chunk][1]
         return guard is None or bool(guard(bind(c)))
 
-    rules = ChooseRules(tuple(order), priority=priority, admit=admit)
+    rules = ChooseRules(tuple(order), priority=priority, admit=admit, overlap=choose.overlap)
     return ChooseSpec(template, rules, tuple(limits) if choose.memory is not None else None, schedule.drop_padded,
                       choose.span)
 

@@ -344,6 +344,10 @@ class ToAst(Transformer):
         return ("prefer", tuple(children), meta)
 
     @v_args(meta=True)
+    def choose_overlap(self, meta: Any, children: list[Any]) -> tuple[str, Any, Any]:
+        return ("overlap", True, meta)
+
+    @v_args(meta=True)
     def choose_decl(self, meta: Any, children: list[Any]) -> tuple[str, Any, Any]:
         rank_var, *rules = children
         found: dict[str, Any] = {}
@@ -364,7 +368,7 @@ class ToAst(Transformer):
                               meta)
         # the section's span is its first line (the caret runs to its end), where a whole-section error points
         section = ast.Choose(str(rank_var), found.get("memory"), tuple(takes), found.get("prefer", ()),
-                             self._span(meta))
+                             self._span(meta), found.get("overlap", False))
         return ("choose", section, meta)
 
     @v_args(meta=True)

@@ -12,6 +12,9 @@ it as any other. The rules are Python callables (a `choose` section compiles to 
 - Memory is verify/memory.py's model (ir.activation_deltas times the stage size, the same float sums and the same
   tolerance), so the live profile the scheduler admits by is exactly ``memory_profile`` of its output.
 - Times are Fractions (``Fraction(str(x))``), so equal costs tie exactly and the output is deterministic.
+- Overlapped pairs (``Rules.overlap``, a section's `overlap` line): with the costs' FB, the chosen F (or B/I) runs
+  with the best ready op of the other side of another micro-batch (the guard's and the limit's, their deltas
+  added) as one instruction, when pipec.p2p_rule.pair_duration makes it shorter than its halves.
 - At each moment the free ranks choose in rank order, and the pass repeats until none starts anything: a start
   makes its output's arrival known, which a waiting rank's ``gap`` reads.
 - Besides the op itself, a Candidate carries what the library's cost-aware rules read (pipec/schedules/zb_auto.pipe,
@@ -32,9 +35,9 @@ from functools import partial
 from typing import NamedTuple
 
 from pipec.errors import PipecInputError
-from pipec.ir import DEFAULT_INPUT_FRACTION, MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas
+from pipec.ir import DEFAULT_INPUT_FRACTION, MEMORY_TOLERANCE, Action, Kind, Overlap, Program, activation_deltas
 from pipec.limits import MAX_SECONDS, MAX_STEPS, check_sizes
-from pipec.p2p_rule import DEFAULT_DURATION, CostModel, receiving_ranks
+from pipec.p2p_rule import DEFAULT_DURATION, CostModel, pair_duration, receiving_ranks
 
 NEVER = Fraction(10**18)  # the gap when no waiting input of the rank is known to be on its way
 
@@ -72,6 +75,9 @@ class Rules:
     priority: Callable[[Candidate], tuple] = lambda c: ()
     admit: Callable[[Candidate], bool] | None = None
     limit: Callable[[int], float | None] | None = None
+    # run the chosen F (or backward) overlapped with the best ready backward (or F) of another micro-batch, as one
+    # instruction, when the costs give the pair its own duration (FB) and it is shorter than its halves
+    overlap: bool = False
 
 
 class Timeline(NamedTuple):
@@ -124,9 +130,9 @@ def schedule_timeline(
             for rank in range(run.ranks):
                 if run.busy[rank]:
                     continue
-                best = _pick(run, rank)
+                best, ready = _pick(run, rank)
                 if best is not None:
-                    _start(run, rank, best)
+                    _start(run, rank, *_paired(run, best, ready))
                     started = True
     makespan = max((t for t, _, _, action in events if action is None), default=run.now)  # the last ops' ends
     program = replace(template, streams=tuple(tuple(s) for s in run.out), has_comms=False)
@@ -145,7 +151,9 @@ class _Run:
     rules: Rules
     back: Kind  # I when the rules split the backward, else B
     order: dict[Kind, int]  # tie-break rank of each kind the rules take
-    dur: dict[Kind, list[Fraction]]  # per kind, per stage
+    table: dict[Kind, list[float]]  # the costs' durations, per kind, per stage
+    dur: dict[Kind, list[Fraction]]  # the same as exact fractions, for the kinds the rules take
+    pair_row: list[float] | None  # an overlapped pair's own duration per stage (FB), when the rules pair ops
     forward_to: Sequence[int | None]  # where each stage's output goes
     backward_to: Sequence[int | None]  # where each stage's input gradient goes
     delay: Fraction  # message time
@@ -194,6 +202,7 @@ def _start_run(
         )
     table = {k: [d] * (last + 1) for k, d in DEFAULT_DURATION.items()} if costs is None else costs.per_stage(last + 1)
     dur = {k: [Fraction(str(x)) for x in table[k]] for k in rules.takes}
+    pair_row = costs.pair_per_stage(last + 1) if costs is not None and rules.overlap else None
     forward_to, backward_to = receiving_ranks(where)
     delay = Fraction(str(costs.message_time)) if costs is not None else Fraction(0)
     post = Fraction(0) if costs is None or costs.overlap else delay
@@ -210,8 +219,8 @@ def _start_run(
         for r, b in enumerate(limits)
     ]
     return _Run(
-        ranks, n_mb, where, last, rules, back, {k: i for i, k in enumerate(rules.takes)}, dur, forward_to,
-        backward_to, delay, post, deltas, sizes, stages, work, limits, max_steps,
+        ranks, n_mb, where, last, rules, back, {k: i for i, k in enumerate(rules.takes)}, table, dur, pair_row,
+        forward_to, backward_to, delay, post, deltas, sizes, stages, work, limits, max_steps,
         fwd=[[0] * len(s) for s in stages],
         bwd=[[0] * len(s) for s in stages],
         queue=[[deque() for _ in s] for s in stages],
@@ -262,8 +271,9 @@ def _fits(run: _Run, rank: int, kind: Kind, after: float) -> bool:
     return run.deltas[kind] <= 0 or limit is None or after <= limit + MEMORY_TOLERANCE  # frees always fit
 
 
-def _pick(run: _Run, rank: int) -> Candidate | None:
-    """The op the rules choose for a free rank now (None: none is ready, fits and is admitted), within the budget."""
+def _pick(run: _Run, rank: int) -> tuple[Candidate | None, list[tuple]]:
+    """The op the rules choose for a free rank now (None: none is ready, fits and is admitted), within the budget,
+    and the rank's ready candidates (a pair's other half is one of them)."""
     found = _candidates(run, rank)
     now = run.now
     run.steps += len(found) + 1
@@ -300,48 +310,95 @@ def _pick(run: _Run, rank: int) -> Candidate | None:
         key = (tuple(rules.priority(cand)), (-c, -order[kind], -mb))
         if best_key is None or key > best_key:
             best, best_key = cand, key
-    return best
+    return best, now_ready
 
 
-def _start(run: _Run, rank: int, best: Candidate) -> None:
-    """Start the chosen op: count it, record its start and the memory after it, and queue its end (the rank free
-    again, its sends posted) and the wake-up of each peer its outputs go to."""
-    kind, c, s, mb, now = best.kind, best.chunk, best.stage, best.mb, run.now
-    if kind is Kind.F:
-        run.fwd[rank][c] += 1
-    elif kind is Kind.W:
-        run.queue[rank][c].popleft()
-    else:
-        run.bwd[rank][c] += 1
-    run.live[rank] = best.after
-    run.out[rank].append(Action(s, kind, mb))
-    run.starts[rank].append(now)
-    run.lives[rank].append(best.after)
-    end = now + best.dur
-    made = (
-        [(s, "F", mb)]
-        if kind is Kind.F
-        else [(s, "G", mb)]
-        if kind is Kind.B
-        else [(s, "G", mb), (s, "I", mb)]
-        if kind is Kind.I
-        else []
-    )
-    if kind is Kind.I:
-        run.queue[rank][c].append(mb)
+def _paired(run: _Run, best: Candidate, ready: list[tuple]) -> tuple[list[Candidate], Fraction]:
+    """The instruction to start: ``best`` alone, or overlapped with its partner when the pair is shorter than its
+    halves (the rules pair ops and the costs give the pair its own duration); and how long it takes."""
+    if run.pair_row is None or best.kind is Kind.W:
+        return [best], best.dur
+    partner = _partner(best, ready, run)
+    if partner is None:
+        return [best], best.dur
+    forward, backward = (best, partner) if best.kind is Kind.F else (partner, best)
+    parts = (Action(forward.stage, Kind.F, forward.mb), Action(backward.stage, backward.kind, backward.mb))
+    serial = run.table[Kind.F][forward.stage] + run.table[backward.kind][backward.stage]
+    paired = Fraction(str(pair_duration(parts, serial, run.table, run.pair_row)))
+    return ([forward, backward], paired) if paired < best.dur + partner.dur else ([best], best.dur)
+
+
+def _partner(best: Candidate, ready: list[tuple], run: _Run) -> Candidate | None:
+    """The op to overlap with ``best``: the highest-priority ready candidate of the other side (a backward, B or I,
+    for a forward; a forward for a backward) of another micro-batch that the guard admits and that fits in memory
+    run together with ``best`` (their deltas added: the pair's profile is the one memory_profile sums)."""
+    rules, order, deltas, sizes, dur = run.rules, run.order, run.deltas, run.sizes, run.dur
+    chosen, chosen_key = None, None
+    for kind, c, s, mb, when, _ in ready:
+        if kind is Kind.W or (kind is Kind.F) == (best.kind is Kind.F) or mb == best.mb:
+            continue
+        after = best.after + deltas[kind] * sizes[s]
+        if not _fits(run, best.rank, kind, after):
+            continue
+        cand = best._replace(
+            kind=kind, chunk=c, stage=s, mb=mb, ready=when, dur=dur[kind][s], live=best.after, after=after
+        )
+        if rules.admit is not None and not rules.admit(cand):
+            continue
+        key = (tuple(rules.priority(cand)), (-c, -order[kind], -mb))
+        if chosen_key is None or key > chosen_key:
+            chosen, chosen_key = cand, key
+    return chosen
+
+
+def _start(run: _Run, rank: int, halves: list[Candidate], length: Fraction) -> None:
+    """Start the chosen instruction (one op, or an overlapped pair's halves in order): count each op, record the
+    start and the memory after it, and queue its end (the rank free again, its sends posted) and the wake-up of
+    each peer its outputs go to."""
+    now = run.now
+    end = now + length
     sends = 0
-    for key in made:
-        run.done[key] = end  # recorded now, but nothing reads it before `end` (readiness is checked <= now)
-        peer = run.forward_to[s] if key[1] == "F" else run.backward_to[s] if key[1] == "G" else None
-        if peer is not None and peer != rank:
-            # wakes the peer when the message arrives; a consumer on this rank waits for this rank anyway
-            sends += 1
-            run.seq += 1
-            heapq.heappush(run.events, (end + run.delay, run.seq, peer, Action(s, kind, mb)))
+    for half in halves:
+        kind, c, s, mb = half.kind, half.chunk, half.stage, half.mb
+        if kind is Kind.F:
+            run.fwd[rank][c] += 1
+        elif kind is Kind.W:
+            run.queue[rank][c].popleft()
+        else:
+            run.bwd[rank][c] += 1
+        if len(halves) > 1:  # the pair's halves in their order, as memory_profile sums them
+            run.live[rank] += run.deltas[kind] * run.sizes[s]
+        made = (
+            [(s, "F", mb)]
+            if kind is Kind.F
+            else [(s, "G", mb)]
+            if kind is Kind.B
+            else [(s, "G", mb), (s, "I", mb)]
+            if kind is Kind.I
+            else []
+        )
+        if kind is Kind.I:
+            run.queue[rank][c].append(mb)
+        for key in made:
+            run.done[key] = end  # recorded now, but nothing reads it before `end` (readiness is checked <= now)
+            peer = run.forward_to[s] if key[1] == "F" else run.backward_to[s] if key[1] == "G" else None
+            if peer is not None and peer != rank:
+                # wakes the peer when the message arrives; a consumer on this rank waits for this rank anyway
+                sends += 1
+                run.seq += 1
+                heapq.heappush(run.events, (end + run.delay, run.seq, peer, Action(s, kind, mb)))
+        run.left -= 1
+    if len(halves) == 1:
+        best = halves[0]
+        run.live[rank] = best.after  # the same float the candidate was admitted by (memory_profile's sums)
+        run.out[rank].append(Action(best.stage, best.kind, best.mb))
+    else:
+        run.out[rank].append(Overlap(*(Action(h.stage, h.kind, h.mb) for h in halves)))
+    run.starts[rank].append(now)
+    run.lives[rank].append(run.live[rank])
     run.busy[rank] = True
     run.seq += 1
     heapq.heappush(run.events, (end + run.post * sends, run.seq, rank, None))  # free again, its sends posted
-    run.left -= 1
 
 
 def _stuck(ranks: int, now: Fraction, live: list[float], limits: list, candidates: Callable, fits: Callable) -> str:

@@ -40,7 +40,15 @@ from typing import Any
 
 from pipec.errors import PipecInputError
 from pipec.ir import Action, Instruction, Kind, Program
-from pipec.p2p_rule import DEFAULT_DURATION, CostModel, is_default, receiving_ranks, remote_input, remote_output
+from pipec.p2p_rule import (
+    DEFAULT_DURATION,
+    CostModel,
+    is_default,
+    pair_duration,
+    receiving_ranks,
+    remote_input,
+    remote_output,
+)
 
 
 def insert_p2p_ops(program: Program, costs: CostModel | None = None) -> Program:
@@ -133,6 +141,7 @@ def _replay_timed(program: Program, costs: CostModel) -> tuple[list[list[tuple]]
     ranks = len(streams)
     table = costs.per_stage(last + 1)
     duration = {kind: table[kind] for kind in (Kind.F, Kind.B, Kind.I, Kind.W)}
+    pair = costs.pair_per_stage(last + 1)  # an overlapped pair's own duration (None: the sum of its halves)
     delay = costs.message_time
     post = 0.0 if costs.overlap else delay
     done: dict[tuple[int, str, int], tuple[float, int]] = {}
@@ -155,6 +164,8 @@ def _replay_timed(program: Program, costs: CostModel) -> tuple[list[list[tuple]]
             row = duration.get(kind)
             if row is not None and 0 <= stage <= last:
                 length += row[stage]
+        if pair is not None and type(instruction) is not Action:
+            length = pair_duration(instruction.parts, length, table, pair)
         t = start[0] + length
         end = (t, start[1]) if t > start[0] else (start[0], start[1] + 1)
         made = []

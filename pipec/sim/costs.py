@@ -14,7 +14,10 @@ Durations are in arbitrary time units (seconds if you measured seconds). Default
   transfers run on the communication stream while it computes. With 1 posting takes no rank time; with 0 the
   sender's rank also spends ``message_time`` per send it posts (the copy competes with compute for the device).
   Receivers wait for their data either way.
-- An overlapped pair (F & B as one instruction, DualPipe) takes the sum of its halves.
+- ``FB``: the duration of an overlapped pair (``F[s] & B[t]`` as one instruction, DualPipe's hidden all-to-all),
+  a number or, in JSON, one per stage (of the pair's forward half), scaled by ``scale`` like the rest. Without it
+  a pair takes the sum of its halves. A pair of a forward and an I or W takes the same share of its halves' sum as
+  F & B would (FB / (F + B) of F + I, or of F + W).
 - ``sync``: the time of one SYNC (the all-reduce of a sync group's shared gradients, pipec.passes.sync), a number
   or, in JSON, one per stage (a SYNC takes the largest value among its members' stages); default 0. It starts when
   the last member is there (its host at the SYNC and, in order, its earlier batches complete) and ends on every
@@ -43,7 +46,8 @@ from pipec.verify.memory import DEFAULT_INPUT_FRACTION, spread_segments
 Value = float | tuple[float, ...]
 _COMPUTE = ("F", "B", "I", "W")
 _SCALARS = ("comm", "latency", "bandwidth", "size", "overlap", "input_fraction")
-_KEYS = (*_COMPUTE, *_SCALARS, "scale", "activation", "sync")
+_PAIR = "FB"  # the overlapped pair's own duration
+_KEYS = (*_COMPUTE, _PAIR, *_SCALARS, "scale", "activation", "sync")
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class Costs:
     B: Value = 2.0
     I: Value = 1.0  # noqa: E741 - the op's name
     W: Value = 1.0
+    FB: Value | None = None  # an overlapped F & B pair; None: the sum of its halves
     comm: float = 0.0
     latency: float = 0.0
     bandwidth: float = math.inf
@@ -101,6 +106,22 @@ class Costs:
             out[Kind(name)] = row
         return out
 
+    def pair_per_stage(self, stages: int) -> list[float] | None:
+        """Duration of an overlapped F & B pair by the stage of its forward half (None: the sum of its halves)."""
+        if self.FB is None:
+            return None
+        if isinstance(self.FB, tuple):
+            if len(self.FB) != stages:
+                raise PipecInputError(f"cost 'FB' has {len(self.FB)} entries, the schedule has {stages} stages")
+            row = [float(v) for v in self.FB]
+        else:
+            row = [float(self.FB)] * stages
+        if self.scale is not None:
+            if len(self.scale) != stages:
+                raise PipecInputError(f"cost 'scale' has {len(self.scale)} entries, the schedule has {stages} stages")
+            row = [v * f for v, f in zip(row, self.scale, strict=True)]
+        return row
+
     def sync_per_stage(self, stages: int) -> list[float]:
         """The time of a SYNC named by each stage."""
         if isinstance(self.sync, tuple):
@@ -111,6 +132,8 @@ class Costs:
 
     def describe(self) -> str:
         parts = [f"{k}={_text(getattr(self, k))}" for k in _COMPUTE]
+        if self.FB is not None:
+            parts.append(f"FB={_text(self.FB)}")
         parts.append(f"comm={self.message_time:g}")
         if self.overlap:
             parts.append("overlap=1")
@@ -144,14 +167,16 @@ def per_rank_share(costs: Costs, ranks: int, chunks: int) -> Costs:
     """``costs`` given per rank share of the model (``--per-rank-share``) -> the same costs per stage of a P-rank,
     V-chunk schedule. The one place the units that compare across V are turned into chunk units, for every command.
 
-    F, B, I, W and ``activation`` describe one segment of P (the model's stages at V=1; a per-stage list has P
+    F, B, I, W, FB and ``activation`` describe one segment of P (the model's stages at V=1; a per-stage list has P
     entries): a stage covers 1/V of segment s // V, so it takes 1/V of that segment's time and activations.
     ``scale`` is a factor, so a stage takes its segment's. Messages carry the same boundary activations whatever V
     is, so comm, latency, bandwidth and size stay as given; so does ``input_fraction`` (a share, not an amount).
     """
     fields: dict[str, object] = {}
-    for name in _COMPUTE:
+    for name in (*_COMPUTE, _PAIR):
         value = getattr(costs, name)
+        if value is None:
+            continue
         fields[name] = (
             spread_segments(value, ranks, chunks, f"cost {name!r}") if isinstance(value, tuple) else value / chunks
         )
@@ -236,7 +261,7 @@ def _from_mapping(data: Mapping, where: str) -> Costs:
         hint = f" (names are case-sensitive: did you mean {same}?)" if same else ""
         raise PipecInputError(f"{where}: unknown cost {shown}{hint}; expected one of {', '.join(_KEYS)}")
     fields: dict[str, object] = {}
-    for name in _COMPUTE:
+    for name in (*_COMPUTE, _PAIR):
         if name in data:
             fields[name] = _value(name, data[name], where)
     for name in _SCALARS:

@@ -12,7 +12,7 @@ from collections import deque
 
 from pipec.errors import ScheduleError
 from pipec.ir import Action, Kind, Program
-from pipec.p2p_rule import remote_output
+from pipec.p2p_rule import pair_duration, remote_output
 from pipec.sim.costs import Costs
 from pipec.sim.refusals import misplaced
 from pipec.sim.result import Message, SimResult, TimedOp, peaks_of
@@ -40,6 +40,7 @@ def simulate_dataflow(
     ready = deque(range(ranks))
     k_f, k_w, k_i = Kind.F, Kind.W, Kind.I
     d_f, d_b, d_i, d_w = (durations[k] for k in (Kind.F, Kind.B, Kind.I, Kind.W))
+    d_fb = costs.pair_per_stage(stages)  # an overlapped pair's own duration (None: the sum of its halves)
     last = stages - 1
 
     while ready:
@@ -78,6 +79,8 @@ def simulate_dataflow(
             if blocked >= 0:
                 waiting.setdefault(blocked, []).append(rank)
                 break
+            if d_fb is not None and type(instruction) is not Action:
+                end = pair_duration(instruction.parts, end, durations, d_fb)
             end += start
             for stage, kind, mb in instruction.parts:
                 if kind is k_w:

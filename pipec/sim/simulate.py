@@ -3,7 +3,7 @@
 Execution follows version 2 of the point-to-point rule shared with the verifier's ``nccl`` model and the runtime
 (its shared pieces in pipec/p2p_rule.py):
 - each rank (its host) runs its stream in order; a compute instruction takes its duration from the cost model (an
-  overlapped pair takes the sum of its halves);
+  overlapped pair takes FB when the costs give it, else the sum of its halves);
 - a maximal run of consecutive SEND/RECV instructions is one *batch*, posted when the host reaches it, without
   waiting (``overlap=0`` charges the sender ``message_time`` per send posted);
 - a compute instruction starts at max(rank free, completion of the batches holding the receives it consumes);

@@ -30,6 +30,8 @@ class Run:
         self.streams = program.streams
         durations = costs.per_stage(S)
         self.d_f, self.d_b, self.d_i, self.d_w = (durations[k] for k in (Kind.F, Kind.B, Kind.I, Kind.W))
+        self.durations = durations
+        self.d_fb = costs.pair_per_stage(S)  # an overlapped pair's own duration (None: the sum of its halves)
         self.message_time = message_time = costs.message_time
         # without overlap the sender's rank pushes each message itself: posting a batch holds it message_time per
         # send

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 from pipec.errors import ScheduleError
 from pipec.ir import Action, Kind, Overlap
+from pipec.p2p_rule import pair_duration
 from pipec.sim.refusals import early, mismatch, misplaced, no_receive
 from pipec.sim.result import Message
 from pipec.sim.state import Run
@@ -172,7 +173,7 @@ def sync_runner(run: Run) -> Callable[[int, int, Action, float], float]:
 def pair_runner(run: Run) -> Callable[[int, int, Overlap, float], tuple[float, float]]:
     """The step running an overlapped pair, bound to ``run``'s arrays."""
     program, where, S, n_mb = run.program, run.where, run.S, run.n_mb  # noqa: N806
-    d_f, d_b, d_i, d_w = run.d_f, run.d_b, run.d_i, run.d_w
+    d_f, d_b, d_i, d_w, d_fb, durations = run.d_f, run.d_b, run.d_i, run.d_w, run.d_fb, run.durations
     forward_done, grad_done, input_done, recv_batch = run.forward_done, run.grad_done, run.input_done, run.recv_batch
     b_rank, b_start, b_done, b_missing = run.b_rank, run.b_start, run.b_done, run.b_missing
     # Enum members hash through Python code, so the hot paths compare kinds by identity only.
@@ -181,7 +182,8 @@ def pair_runner(run: Run) -> Callable[[int, int, Overlap, float], tuple[float, f
 
     def run_pair(rank: int, pos: int, instruction: Overlap, t: float) -> tuple[float, float]:
         """An overlapped pair (the general case of run_hosts' inlined single op): it waits for the batches of
-        both halves' receives (rule 2) and takes the sum of their durations. Returns its start and end, or -1.0
+        both halves' receives (rule 2) and takes pipec.p2p_rule.pair_duration (the sum of its halves' durations
+        unless the costs give FB). Returns its start and end, or -1.0
         twice when a batch it waits for has not completed."""
         parts = instruction.parts
         for stage, kind, mb in parts:
@@ -222,6 +224,8 @@ def pair_runner(run: Run) -> Callable[[int, int, Overlap, float], tuple[float, f
                 if stage < S - 1 and not 0 <= grad_done[index + n_mb] <= start:
                     early(instruction, rank, pos, f"the backward of stage {stage + 1}")
                 end_time += d_i[stage] if kind is k_i else d_b[stage]
+        if d_fb is not None:
+            end_time = start + pair_duration(parts, end_time - start, durations, d_fb)
         for stage, kind, mb in parts:
             index = stage * n_mb + mb
             if kind is k_f:

@@ -11,6 +11,9 @@ over all ranks at once; here a few rule sets are tried for each V of `--chunks` 
 - at V > 1 a forward of chunk c is admitted only if the rank keeps room for that micro-batch's later chunks, so
   that a micro-batch once started can always finish (without it a V fills memory with first chunks and stalls).
 
+With the overlapped pair's own cost (`--cost FB=...`) each rule set also runs with pairs (`list-*-*-pairs`: the
+chosen op overlapped with the best ready op of the other side, list_schedule's Rules.overlap).
+
 A rule set that cannot finish (memory too small for it) is an `error` candidate, not a failure of tune.
 """
 
@@ -48,18 +51,25 @@ def listed_orders(setting: Setting) -> Iterator[tuple[str, int, Program | str]]:
                 stage_to_rank=where,
                 streams=((),) * ranks,
             )
+            # with the overlapped pair's own cost (FB), each rule set also runs pairing a forward with a backward
+            # of another micro-batch: a pair saves time and its memory is that of its two halves, so the limit
+            # decides how many pairs fit (the trade the ranking then weighs)
+            overlaps = (False, True) if setting.costs.FB is not None else (False,)
             for policy in POLICIES:
-                name = f"list-{placement}-{policy}"
-                rules = _rules(policy, v, max(sizes), setting.limit)
-                try:
-                    orders = list_schedule(template, rules, setting.stage_costs(v), setting.costs.input_fraction, sizes)
-                except PipecError as e:
-                    yield name, v, e.message.splitlines()[0][:200]
-                    continue
-                yield name, v, orders
+                for overlap in overlaps:
+                    name = f"list-{placement}-{policy}" + ("-pairs" if overlap else "")
+                    rules = _rules(policy, v, max(sizes), setting.limit, overlap)
+                    try:
+                        orders = list_schedule(
+                            template, rules, setting.stage_costs(v), setting.costs.input_fraction, sizes
+                        )
+                    except PipecError as e:
+                        yield name, v, e.message.splitlines()[0][:200]
+                        continue
+                    yield name, v, orders
 
 
-def _rules(policy: str, chunks: int, unit: float, limit: float) -> Rules:
+def _rules(policy: str, chunks: int, unit: float, limit: float, overlap: bool = False) -> Rules:
     def admit(c: Candidate) -> bool:
         if c.kind is Kind.F:
             # room for this micro-batch's later chunks on this rank
@@ -76,7 +86,9 @@ def _rules(policy: str, chunks: int, unit: float, limit: float) -> Rules:
         rank = 2.5 if policy == "eager" and c.kind is Kind.W else _RANK[c.kind]  # eager: after I, before F
         return (rank, c.chunk if c.kind is not Kind.W else 0, -c.mb)
 
-    return Rules(takes=(Kind.F, Kind.I, Kind.W), priority=priority, admit=admit, limit=lambda rank: limit)
+    return Rules(
+        takes=(Kind.F, Kind.I, Kind.W), priority=priority, admit=admit, limit=lambda rank: limit, overlap=overlap
+    )
 
 
 __all__ = ["POLICIES", "listed_orders"]

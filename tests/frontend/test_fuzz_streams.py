@@ -347,7 +347,7 @@ def test_many_ranks_stay_linear(tmp_path: Path) -> None:
 
 # ---- cost models -------------------------------------------------------------------------------------------------
 
-COST_KEYS = ("F", "B", "I", "W", "comm", "latency", "bandwidth", "size", "overlap", "input_fraction", "scale",
+COST_KEYS = ("F", "B", "I", "W", "FB", "comm", "latency", "bandwidth", "size", "overlap", "input_fraction", "scale",
              "activation", "Q")
 COST_VALUES = ("1", "2.5", "0", "1e9", "1e-9", "1e15", "1e-12", "inf", "-inf", "nan", "1e308", "1e999", "-1",
                "1e-300", "5e-324", "x", "", "1_0", "\u0663", "9" * 5000, "0x10", "1e", ".5", "+3")

@@ -1,5 +1,6 @@
 """Where the suite's files are, for tests in any folder: the data folders stay at tests/ (bad_schedules, golden,
-diagnostics, sim_diagnostics), the shared helpers and workloads in tests/support (on sys.path, see conftest.py)."""
+reference, diagnostics, sim_diagnostics), the shared helpers and workloads in tests/support (on sys.path, see
+conftest.py)."""
 
 from pathlib import Path
 

@@ -145,7 +145,8 @@ def test_the_readmes_run_line_on_a_one_gpu_machine_runs_on_gloo_and_says_so() ->
 @pytest.mark.skipif(gpu_count() >= 2, reason="this machine could run it: the refusal needs fewer than 2 GPUs")
 def test_torchrun_workers_honour_backend(tmp_path: Path) -> None:
     """Under torchrun, `--backend` is what each worker uses (it was once chosen from the GPUs regardless): an
-    explicit nccl that the node cannot run is refused by every worker before it joins a process group."""
+    explicit nccl that the node cannot run is refused before any worker joins a process group. Each worker checks
+    on its own, but torchrun stops the others once the first exits, so a slower one may never get to say it."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     done = subprocess.run(
         [*torchrun, "-m", "pipec", "run", "1f1b", "-P", "2", "-M", "4", "--model", "examples.workload:mlp",
@@ -154,7 +155,7 @@ def test_torchrun_workers_honour_backend(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode != 0
     refusals = [line for line in done.stdout.splitlines() + done.stderr.splitlines() if "--backend nccl needs" in line]
-    assert len(refusals) == 2 and all(line.startswith("error: --backend nccl needs 2 GPUs") for line in refusals)
+    assert 1 <= len(refusals) <= 2 and all(line.startswith("error: --backend nccl needs 2 GPUs") for line in refusals)
     assert "Traceback" not in done.stdout
 
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
@@ -68,6 +68,10 @@ class SolverResult:
     infeasible: bool  # the solver proved that no order fits the memory limit
     model: str  # MODEL_IDEAL or MODEL_POSTED
     seconds: float  # wall time of the solve
+    # the solver's timing of `orders`, in the costs' units: per compute op its start and, for an op whose output
+    # goes to another rank, when its send is posted (the producer's end without posting costs); the send/recv
+    # placement follows it (pipec.tune.placement)
+    timing: Mapping[Action, tuple[float, float | None]] | None = None
 
 
 def available() -> str | None:
@@ -305,6 +309,21 @@ def rank_bound(template: Program, costs: Costs) -> float:
     return inst.rank_bound() / inst.scale
 
 
+def model_times(orders: Program, costs: Costs) -> dict[Action, tuple[float, float]] | None:
+    """Each compute op's (start, end) when every rank runs `orders` as early as the model allows (posts right
+    after their producer), in the costs' units; None when the order cannot run."""
+    streams = orders.compute_streams()
+    if any(type(op) is not Action or op.kind not in KINDS for stream in streams for op in stream):
+        return None  # a B or an overlapped pair: not in the model
+    inst = _Instance(orders, costs, None, 0.5, None)
+    start = inst.earliest(streams)
+    if start is None:
+        return None
+    return {
+        Action(s, KINDS[k], m): (at / inst.scale, (at + inst.dur[s][k]) / inst.scale) for (s, k, m), at in start.items()
+    }
+
+
 def solve(
     template: Program,
     costs: Costs,
@@ -407,11 +426,22 @@ def solve(
         mine = sorted((solver.value(start[op]), op) for op in ops if inst.where[op[0]] == rank)
         streams.append(tuple(Action(s, KINDS[k], m) for _, (s, k, m) in mine))
     orders = replace(template, streams=tuple(streams), has_comms=False)
+    timing: dict[Action, tuple[float, float | None]] = {}
+    for op in ops:
+        s, k, m = op
+        at = solver.value(start[op])
+        if not inst.sends(op):
+            sent = None
+        elif op in posts:
+            sent = solver.value(posts[op]) / inst.scale
+        else:
+            sent = (at + inst.dur[s][k]) / inst.scale
+        timing[Action(s, KINDS[k], m)] = (at / inst.scale, sent)
     if late is not None:
         value = solver.value(makespan) / inst.scale
-        return SolverResult(orders, value, None, False, False, inst.model, took)
+        return SolverResult(orders, value, None, False, False, inst.model, took, timing)
     value = solver.objective_value / inst.scale
-    return SolverResult(orders, value, bound, status == cp_model.OPTIMAL, False, inst.model, took)
+    return SolverResult(orders, value, bound, status == cp_model.OPTIMAL, False, inst.model, took, timing)
 
 
 __all__ = [
@@ -421,6 +451,7 @@ __all__ = [
     "WORKERS",
     "SolverResult",
     "available",
+    "model_times",
     "rank_bound",
     "refuses",
     "solve",

@@ -55,7 +55,9 @@ def schedule_text(result: TuneResult, cost_arg: str, output: str = "best.pipe") 
         f"memory {_fraction(stage_limit)}",
         "",
     ]
-    orders = program.with_streams(program.compute_streams(), has_comms=False)
+    # the send/recv are listed when tune placed them itself (pipec.tune.placement): pipec check and simulate keep
+    # a literal list's own placement; otherwise they place them for the costs given, as tune did
+    orders = program if best.own_placement else program.with_streams(program.compute_streams(), has_comms=False)
     return "\n".join(lines) + dump_text(orders)
 
 
@@ -242,6 +244,7 @@ def _candidate_json(c: Candidate) -> dict:
         "verdict": c.verdict,
         "reason": c.reason,
         "bound": c.bound,
+        "own_placement": c.own_placement,  # its send/recv placed by tune from its timing, listed in the file
     }
 
 
@@ -249,7 +252,8 @@ def _origin(c: Candidate) -> str:
     phase = {1: "a library schedule", 2: "list scheduling under the costs", 3: "local moves", 4: "the exact phase"}
     origin = phase[c.phase]
     moves = f" + {c.moves} local moves" if c.moves else ""
-    return f"{c.label()}{moves} ({origin})"
+    placed = ", send/recv placed from its timing" if c.own_placement else ""
+    return f"{c.label()}{moves} ({origin}{placed})"
 
 
 def _beat(best: Candidate, library: Candidate | None) -> str:

@@ -156,6 +156,32 @@ class _Instance:
                 best = max(best, head + work)
         return best
 
+    def memory_bound(self) -> int:
+        """The largest over ranks of what the memory limit alone implies (0 without a limit): each activation of
+        micro-batch m lives from its forward to its free for at least the chain of work between them
+        (`chain`), the rank holds at most the limit at a time, so its memory-time, M x the sum over its stages
+        of size x chain, fits under limit x the time from its first forward's earliest start to the end less its
+        last W (Little's law; the model's area cut, `_memory`, without solving)."""
+        if self.limit is None or self.limit <= 0:
+            return 0
+        best = 0
+        for rank in range(self.ranks):
+            mine = [s for s in range(self.stages) if self.where[s] == rank]
+            area = sum(
+                -self.change[s][k] * self.chain(s, k) * self.n_mb
+                for s in mine
+                for k in (_I, _W)
+                if self.change[s][k] < 0
+            )
+            first = min(self.chain_to(s) for s in mine)
+            last = min(self.dur[s][_W] for s in mine)
+            best = max(best, first + last + math.ceil(area / self.limit))
+        return best
+
+    def cheap_bound(self) -> int:
+        """A lower bound without solving: the per-rank one or the memory one, whichever is larger."""
+        return max(self.rank_bound(), self.memory_bound())
+
     def ops(self) -> list[tuple[int, int, int]]:
         return [(s, k, m) for s in range(self.stages) for k in range(3) for m in range(self.n_mb)]
 
@@ -302,11 +328,18 @@ def _counted(
     model.add(live + sum(inst.change[s][k] * b for (k, _), b in before.items()) <= inst.limit)
 
 
-def rank_bound(template: Program, costs: Costs) -> float:
-    """A lower bound on the makespan without solving (the per-rank one: `_Instance.rank_bound`), for a shape the
-    solver is not given time for."""
-    inst = _Instance(template, costs, None, 0.5, None)
-    return inst.rank_bound() / inst.scale
+def cheap_bound(
+    template: Program,
+    costs: Costs,
+    limit: float | None = None,
+    input_fraction: float = 0.5,
+    stage_sizes: Sequence[float] | None = None,
+) -> float:
+    """A lower bound on the makespan without solving (`_Instance.cheap_bound`: per rank, its first forward's
+    earliest start plus all its work; and what the memory limit implies), for a shape the solver is not given
+    time for or finds nothing in."""
+    inst = _Instance(template, costs, limit, input_fraction, stage_sizes)
+    return inst.cheap_bound() / inst.scale
 
 
 def model_times(orders: Program, costs: Costs) -> dict[Action, tuple[float, float]] | None:
@@ -385,7 +418,7 @@ def solve(
     makespan = model.new_int_var(0, horizon, "makespan")
     # a rank starts no earlier than its first forward can, then runs all its work and posts one at a time
     # (CP-SAT's no-overlap does not give the LP this: at loose memory its bound stayed far below it)
-    model.add(makespan >= inst.rank_bound())
+    model.add(makespan >= inst.cheap_bound())
     befores: list[tuple] = []  # (Boolean, op a, op b): a starts before b, to hint
     lengths = _memory(model, inst, start, makespan, befores) if inst.limit is not None else []
     for op in ops:
@@ -416,8 +449,8 @@ def solve(
     took = time.monotonic() - began
     if status == cp_model.INFEASIBLE and late is None:
         return SolverResult(None, None, None, False, True, inst.model, took)
-    # a solve stopped before its own bound passed the per-rank one still has that one
-    bound = max(math.ceil(solver.best_objective_bound - 1e-6), inst.rank_bound()) / inst.scale
+    # a solve stopped before its own bound passed the cheap one (per rank, memory) still has that one
+    bound = max(math.ceil(solver.best_objective_bound - 1e-6), inst.cheap_bound()) / inst.scale
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         known = bound if status == cp_model.UNKNOWN and late is None else None  # `late` maximises: no makespan bound
         return SolverResult(None, None, known, False, False, inst.model, took)
@@ -451,8 +484,8 @@ __all__ = [
     "WORKERS",
     "SolverResult",
     "available",
+    "cheap_bound",
     "model_times",
-    "rank_bound",
     "refuses",
     "solve",
 ]

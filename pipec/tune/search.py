@@ -282,8 +282,10 @@ def _solver_phase(
         weights = [1 / chunks**2 for chunks, _ in jobs[index:]]
         share = max(0.0, deadline - time.monotonic()) * weights[0] / sum(weights)
         costs = setting.stage_costs(v)
-        if starved:  # its time goes to the local moves; its bound is the per-rank one
-            bound = cpsat.rank_bound(template, costs)
+        if starved:  # its time goes to the local moves; its bound is the cheap one (per rank, memory)
+            bound = cpsat.cheap_bound(
+                template, costs, setting.limit, setting.costs.input_fraction, setting.stage_sizes(v)
+            )
             proofs.append(Proof(v, placement, bound, False))
             why = "not solved: a smaller model found no order in its share of the time budget"
             note(Candidate(name, (), v, None, None, None, SKIPPED, why, phase=4, bound=bound), "solver")

@@ -169,9 +169,14 @@ def certificate_text(result: TuneResult) -> str:
         f"V={p.chunks} {p.placement} {'-' if p.bound is None else f'{p.bound:g}'}{' proved' if p.solved else ''}"
         for p in cert.proofs
     )
+    reached = (
+        "this schedule reaches it under nccl: optimal under nccl too"
+        if cert.optimal(best.makespan if best is not None else None)
+        else "nccl may not reach it"
+    )
     relaxed = (
         f"\nthe bound is for a relaxation of nccl ({cert.model} model: a message takes its time between producer and "
-        "consumer, sends and receives batch freely); nccl may not reach it"
+        f"consumer, sends and receives batch freely); {reached}"
         if cert.relaxed
         else ""
     )

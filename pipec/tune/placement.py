@@ -4,11 +4,14 @@ pipec.passes.p2p's timed replay posts every receive at the moment its message is
 nccl a receive is posted when its rank's host reaches it, that is after the compute it follows in the stream: a
 message made while the receiver computes is posted only when that compute ends, and the consumer then waits
 `message_time` more (measured at P=4, M=8, F=1, I=2, W=1, comm=0.5, limit 4: 47 against the solver's 45.5). Two
-steps close most of that:
+steps close most of that (45.5 there; tests/tune/test_tune_placement.py):
 
-- `ahead`: each receive goes before the first compute of its rank that ends after its message is made, so its
-  batch is already posted when the sender's starts (the pair completes at the later start plus message_time);
-  the receive keys follow the send keys, so each channel keeps its order on both sides;
+- `ahead`: each send where the solver posts it (`cpsat.SolverResult.timing`: without overlap a post holds the
+  host, and the solver may post after a later compute); each receive before the first compute of its rank that
+  ends after its send is posted, so its batch is already posted when the sender's starts (the pair completes at
+  the later start plus message_time); then, while a receive shares its batch with the receive of the compute
+  right after and its message comes later than that compute starts (a compute waits for its whole batch), it
+  moves one compute later (`_spread`); each channel's receives keep its sends' order on both sides;
 - `improve_placement`: local moves on where the sends and receives sit (one swapped with a neighbouring compute,
   which changes which batch it joins and when it is posted, never the order of the messages on a channel), kept
   when the nccl makespan, then the sum of the compute ends, decreases; the simulator is the judge, and the caller

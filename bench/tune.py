@@ -182,7 +182,7 @@ def gap_grid_mode(args: argparse.Namespace) -> None:
     placed = search._placed
     available = cpsat.available
     for ranks in args.gap_ranks:
-        for factor in (1, 2, 3):
+        for factor in args.gap_factors:
             for scale in (0.5, 1.0, 1.5, 2.0):
                 for mix in mixes:
                     microbatches, limit = factor * ranks, scale * ranks
@@ -236,6 +236,9 @@ def main() -> None:
     parser.add_argument("--gap-ranks", type=int, nargs="+", default=[4, 8], metavar="P")
     parser.add_argument("--comm", type=float, default=0.0, help="--gap-grid: the message time")
     parser.add_argument("--gap-mixes", nargs="+", metavar="MIX", help="--gap-grid: these mixes only (1:2:1 ...)")
+    parser.add_argument(
+        "--gap-factors", type=int, nargs="+", default=[1, 2, 3], metavar="K", help="--gap-grid: M = K·P only"
+    )
     args = parser.parse_args()
     args.sizes = [tuple(int(x) for x in s.split(",")) for s in args.sizes]
     args.chunks_t = tuple(int(x) for x in args.chunks.split(","))

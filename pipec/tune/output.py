@@ -257,7 +257,7 @@ def _origin(c: Candidate) -> str:
     phase = {1: "a library schedule", 2: "list scheduling under the costs", 3: "local moves", 4: "the exact phase"}
     origin = phase[c.phase]
     moves = f" + {c.moves} local moves" if c.moves else ""
-    placed = ", send/recv placed from its timing" if c.own_placement else ""
+    placed = ", its send/recv as listed below, not placed by pipec" if c.own_placement else ""
     return f"{c.label()}{moves} ({origin}{placed})"
 
 

@@ -138,8 +138,9 @@ def evaluate(
     """Place, verify and simulate one compute order (module docstring). `placed`: the order with its send/recv
     already placed (pipec.tune.placement), to judge instead of place_p2p's; an `orders` with send/recv (a file
     tune wrote with its placement) is judged as placed too."""
-    if orders.has_comms:
+    if orders.has_comms:  # the file's own placement: what wins is written with it (output.schedule_text)
         placed, orders = orders, orders.with_streams(orders.compute_streams(), has_comms=False)
+        extra.setdefault("own_placement", True)
     v = orders.chunks
     base = Candidate(name, params, v, None, None, None, ERROR, **extra)
     if orders.ranks != setting.ranks or orders.microbatches != setting.microbatches:

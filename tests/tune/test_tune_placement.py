@@ -53,12 +53,18 @@ def test_tunes_file_lists_its_placement_and_check_and_simulate_reproduce_it(tmp_
     assert code == 0, err
     assert "proved optimal" in text
     written = out.read_text()
-    assert "SEND_F" in written and "RECV_B" in written  # tune placed them itself
+    assert "SEND_F" in written and "RECV_B" in written  # tune placed them itself, and says so
+    assert "not placed by pipec" in written
     code, checked, err = run_main(["check", str(out), "--per-rank-share", "--cost", cost, "--memory-limit", "2"])
     assert code == 0, checked + err
     code, simulated, err = run_main(["simulate", str(out), "--per-rank-share", "--cost", cost])
     assert code == 0, err
     assert "makespan 28.5 " in simulated  # the solver's optimum (the cost-timed placement takes 29.5)
+    # tuned again from that file: it keeps its own send/recv, and the new file re-checks as found
+    again = tmp_path / "again.pipe"
+    code, text, err = run_main([*argv, "--time-budget", "10", "--from", str(out), "-o", str(again)], tmp_path)
+    assert code == 0, err
+    assert "SEND_F" in again.read_text() and "not placed by pipec" in again.read_text()
     # one receive dropped from the file: the schedule is invalid (exit 1), said by the verifier
     lines = written.splitlines()
     row = next(i for i, line in enumerate(lines) if line.startswith("rank 1:"))

@@ -15,7 +15,9 @@ lower bounds make the certificate (`Certificate`: proved optimal, or within a ga
 a neighbour on its rank, either way, or pull one F earlier), a move kept when the result verifies, fits, is not
 slower and moves work earlier (the makespan, then the sum of the ops' end times, decreases: plateaus of the makespan are
 common, and crossing them is what finds the faster orders), in a seeded order, first improvement, until no move
-helps or the time budget runs out.
+helps or the time budget runs out. A solver order that runs slower under nccl than in the model, and the winner
+at the end, get their send/recv placed again from the timing (pipec.tune.placement; `_closer`, `_placed`),
+kept when that verifies and runs faster; such a candidate is written with its send/recv (`own_placement`).
 """
 
 from __future__ import annotations
@@ -233,7 +235,8 @@ def tune(
             complete = complete and (isinstance(found, str) or found.optimal)  # a skip is no budget cut
 
     starts = _distinct_best(tried, KEEP)
-    moves_end = deadline - PLACEMENT_SHARE * time_budget
+    # with messages, a share of the budget is kept for placing the winner's send/recv from its timing
+    moves_end = deadline - (PLACEMENT_SHARE * time_budget if setting.costs.message_time > 0 else 0.0)
     for index, candidate in enumerate(starts):
         rng = random.Random(seed * 1009 + index)
         # an equal share of the time left to each start; one that ends early leaves its rest to the next

@@ -166,20 +166,27 @@ def grid_mode(args: argparse.Namespace) -> None:
 def gap_grid_mode(args: argparse.Namespace) -> None:
     """tune's gap to the solver's proven optimum, today's tune (no solver: the branch and bound at small sizes)
     against tune with the CP-SAT phase, on the issue's V=1 grid (P in --gap-ranks, M in {P, 2P, 3P}, X in {0.5,
-    1, 1.5, 2}·P, the mixes F:I:W = 1:1:1, 1:2:1, 1:1:2, 2:1:1 and a last stage twice as slow, comm=--comm)."""
+    1, 1.5, 2}·P, the mixes F:I:W = 1:1:1, 1:2:1, 1:1:2, 2:1:1 and a last stage twice as slow, comm=--comm).
+    With comm > 0 a third run, `unplaced`, keeps the solver but places send/recv by place_p2p only (tune before
+    pipec.tune.placement); `tune s` is the wall time of the three runs."""
     from pipec.sim.costs import parse_costs
-    from pipec.tune import Setting, cpsat, library_sources, tune
+    from pipec.tune import Setting, cpsat, library_sources, search, tune
 
-    mixes = (*MIXES, "2:1:1")
+    mixes = args.gap_mixes or (*MIXES, "2:1:1")
     print(f"gap grid: V=1, comm={args.comm:g}, --grid-budget {args.grid_budget:g} s per tune call")
-    print(f"{'case':<34} {'before':>8} {'after':>8} {'bound':>8} {'gap before':>10} {'gap after':>9} proof s")
-    worst_before = worst_after = 0.0
+    print(
+        f"{'case':<34} {'before':>8} {'unplaced':>9} {'after':>8} {'bound':>8} {'gap before':>10} {'gap after':>9} "
+        f"{'proof s':>7}  tune s"
+    )
+    worst_before = worst_after = worst_unplaced = 0.0
+    placed = search._placed
     available = cpsat.available
     for ranks in args.gap_ranks:
-        for factor in (1, 2, 3):
+        for factor in args.gap_factors:
             for scale in (0.5, 1.0, 1.5, 2.0):
                 for mix in mixes:
                     microbatches, limit = factor * ranks, scale * ranks
+                    began = time.monotonic()
                     costs = parse_costs({**cost_map(mix, ranks), "comm": args.comm})
                     setting = Setting(ranks, microbatches, costs, limit, (1,))
                     cpsat.available = lambda: "off for the 'before' column"  # type: ignore[assignment]
@@ -187,6 +194,13 @@ def gap_grid_mode(args: argparse.Namespace) -> None:
                         before = tune(setting, library_sources(), time_budget=args.grid_budget).best
                     finally:
                         cpsat.available = available  # type: ignore[assignment]
+                    unplaced = None
+                    if args.comm > 0:  # the solver with pipec's cost-timed placement only (tune before #23 round 2)
+                        search._placed = lambda candidate, *_: (candidate, True)  # type: ignore[assignment]
+                        try:
+                            unplaced = tune(setting, library_sources(), time_budget=args.grid_budget).best
+                        finally:
+                            search._placed = placed  # type: ignore[assignment]
                     result = tune(setting, library_sources(), time_budget=args.grid_budget)
                     after, cert = result.best, result.certificate
                     if before is None or after is None or cert is None or cert.bound is None:
@@ -195,13 +209,18 @@ def gap_grid_mode(args: argparse.Namespace) -> None:
                     bound = cert.bound
                     gap_b, gap_a = before.makespan / bound - 1, after.makespan / bound - 1  # type: ignore[operator]
                     worst_before, worst_after = max(worst_before, gap_b), max(worst_after, gap_a)
+                    middle = "-" if unplaced is None else f"{unplaced.makespan:g}"
+                    if unplaced is not None:
+                        worst_unplaced = max(worst_unplaced, unplaced.makespan / bound - 1)  # type: ignore[operator]
                     proof = f"{sum(p.seconds for p in cert.proofs):.1f}" if all(p.solved for p in cert.proofs) else "-"
                     print(
                         f"{f'P={ranks} M={microbatches} X={limit:g} {mix}':<34} {before.makespan:>8g} "
-                        f"{after.makespan:>8g} {bound:>8g} {gap_b:>10.2%} {gap_a:>9.2%} {proof}",
+                        f"{middle:>9} {after.makespan:>8g} {bound:>8g} {gap_b:>10.2%} {gap_a:>9.2%} {proof:>7}  "
+                        f"{time.monotonic() - began:.1f}",
                         flush=True,
                     )
-    print(f"worst gap to the bound: before {worst_before:.2%}, after {worst_after:.2%}")
+    print(f"worst gap to the bound: before {worst_before:.2%}, after {worst_after:.2%}", end="")
+    print(f" (solver with place_p2p only: {worst_unplaced:.2%})" if args.comm > 0 else "")
 
 
 def main() -> None:
@@ -216,6 +235,10 @@ def main() -> None:
     parser.add_argument("--gap-grid", action="store_true", help="tune's gap to the solver's bound, before and after")
     parser.add_argument("--gap-ranks", type=int, nargs="+", default=[4, 8], metavar="P")
     parser.add_argument("--comm", type=float, default=0.0, help="--gap-grid: the message time")
+    parser.add_argument("--gap-mixes", nargs="+", metavar="MIX", help="--gap-grid: these mixes only (1:2:1 ...)")
+    parser.add_argument(
+        "--gap-factors", type=int, nargs="+", default=[1, 2, 3], metavar="K", help="--gap-grid: M = K·P only"
+    )
     args = parser.parse_args()
     args.sizes = [tuple(int(x) for x in s.split(",")) for s in args.sizes]
     args.chunks_t = tuple(int(x) for x in args.chunks.split(","))

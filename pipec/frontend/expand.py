@@ -24,7 +24,7 @@ from pipec.frontend.padded import drop_padded, drop_padded_spans
 from pipec.frontend.params import BUILTIN_PARAMS, bind_params
 from pipec.frontend.programs import run_programs
 from pipec.frontend.state import Budget
-from pipec.ir import Instruction, Program, Spans
+from pipec.ir import Action, Instruction, Program, Spans
 from pipec.limits import RANK_STEPS_EXTRA, RANK_STEPS_PER_OP, check_sizes
 
 
@@ -145,6 +145,8 @@ def _program(
         chunks=env["V"],
         stage_to_rank=placement,
         streams=streams,
+        # a literal list that places its own send/recv keeps them (pipec tune writes its placement so)
+        has_comms=any(type(op) is Action and op.kind.is_comm for stream in streams for op in stream),
         memory_bound=header.memory,
         params=params,
         description=schedule.description,
@@ -153,4 +155,3 @@ def _program(
         expected={what: Fraction(value) for what, value in header.expected.items()},
         provenance=None if schedule.choose is not None else PipeSource(schedule),
     )
-

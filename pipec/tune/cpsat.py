@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
@@ -68,6 +68,10 @@ class SolverResult:
     infeasible: bool  # the solver proved that no order fits the memory limit
     model: str  # MODEL_IDEAL or MODEL_POSTED
     seconds: float  # wall time of the solve
+    # the solver's timing of `orders`, in the costs' units: per compute op its start and, for an op whose output
+    # goes to another rank, when its send is posted (the producer's end without posting costs); the send/recv
+    # placement follows it (pipec.tune.placement)
+    timing: Mapping[Action, tuple[float, float | None]] | None = None
 
 
 def available() -> str | None:
@@ -151,6 +155,32 @@ class _Instance:
                 work = sum(self.dur[s][k] + (post if self.sends((s, k, m)) else 0) for s, k, m in mine)
                 best = max(best, head + work)
         return best
+
+    def memory_bound(self) -> int:
+        """The largest over ranks of what the memory limit alone implies (0 without a limit): each activation of
+        micro-batch m lives from its forward to its free for at least the chain of work between them
+        (`chain`), the rank holds at most the limit at a time, so its memory-time, M x the sum over its stages
+        of size x chain, fits under limit x the time from its first forward's earliest start to the end less its
+        last W (Little's law; the model's area cut, `_memory`, without solving)."""
+        if self.limit is None or self.limit <= 0:
+            return 0
+        best = 0
+        for rank in range(self.ranks):
+            mine = [s for s in range(self.stages) if self.where[s] == rank]
+            area = sum(
+                -self.change[s][k] * self.chain(s, k) * self.n_mb
+                for s in mine
+                for k in (_I, _W)
+                if self.change[s][k] < 0
+            )
+            first = min(self.chain_to(s) for s in mine)
+            last = min(self.dur[s][_W] for s in mine)
+            best = max(best, first + last + math.ceil(area / self.limit))
+        return best
+
+    def cheap_bound(self) -> int:
+        """A lower bound without solving: the per-rank one or the memory one, whichever is larger."""
+        return max(self.rank_bound(), self.memory_bound())
 
     def ops(self) -> list[tuple[int, int, int]]:
         return [(s, k, m) for s in range(self.stages) for k in range(3) for m in range(self.n_mb)]
@@ -298,11 +328,33 @@ def _counted(
     model.add(live + sum(inst.change[s][k] * b for (k, _), b in before.items()) <= inst.limit)
 
 
-def rank_bound(template: Program, costs: Costs) -> float:
-    """A lower bound on the makespan without solving (the per-rank one: `_Instance.rank_bound`), for a shape the
-    solver is not given time for."""
-    inst = _Instance(template, costs, None, 0.5, None)
-    return inst.rank_bound() / inst.scale
+def cheap_bound(
+    template: Program,
+    costs: Costs,
+    limit: float | None = None,
+    input_fraction: float = 0.5,
+    stage_sizes: Sequence[float] | None = None,
+) -> float:
+    """A lower bound on the makespan without solving (`_Instance.cheap_bound`: per rank, its first forward's
+    earliest start plus all its work; and what the memory limit implies), for a shape the solver is not given
+    time for or finds nothing in."""
+    inst = _Instance(template, costs, limit, input_fraction, stage_sizes)
+    return inst.cheap_bound() / inst.scale
+
+
+def model_times(orders: Program, costs: Costs) -> dict[Action, tuple[float, float]] | None:
+    """Each compute op's (start, end) when every rank runs `orders` as early as the model allows (posts right
+    after their producer), in the costs' units; None when the order cannot run."""
+    streams = orders.compute_streams()
+    if any(type(op) is not Action or op.kind not in KINDS for stream in streams for op in stream):
+        return None  # a B or an overlapped pair: not in the model
+    inst = _Instance(orders, costs, None, 0.5, None)
+    start = inst.earliest(streams)
+    if start is None:
+        return None
+    return {
+        Action(s, KINDS[k], m): (at / inst.scale, (at + inst.dur[s][k]) / inst.scale) for (s, k, m), at in start.items()
+    }
 
 
 def solve(
@@ -366,7 +418,7 @@ def solve(
     makespan = model.new_int_var(0, horizon, "makespan")
     # a rank starts no earlier than its first forward can, then runs all its work and posts one at a time
     # (CP-SAT's no-overlap does not give the LP this: at loose memory its bound stayed far below it)
-    model.add(makespan >= inst.rank_bound())
+    model.add(makespan >= inst.cheap_bound())
     befores: list[tuple] = []  # (Boolean, op a, op b): a starts before b, to hint
     lengths = _memory(model, inst, start, makespan, befores) if inst.limit is not None else []
     for op in ops:
@@ -397,8 +449,8 @@ def solve(
     took = time.monotonic() - began
     if status == cp_model.INFEASIBLE and late is None:
         return SolverResult(None, None, None, False, True, inst.model, took)
-    # a solve stopped before its own bound passed the per-rank one still has that one
-    bound = max(math.ceil(solver.best_objective_bound - 1e-6), inst.rank_bound()) / inst.scale
+    # a solve stopped before its own bound passed the cheap one (per rank, memory) still has that one
+    bound = max(math.ceil(solver.best_objective_bound - 1e-6), inst.cheap_bound()) / inst.scale
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         known = bound if status == cp_model.UNKNOWN and late is None else None  # `late` maximises: no makespan bound
         return SolverResult(None, None, known, False, False, inst.model, took)
@@ -407,11 +459,22 @@ def solve(
         mine = sorted((solver.value(start[op]), op) for op in ops if inst.where[op[0]] == rank)
         streams.append(tuple(Action(s, KINDS[k], m) for _, (s, k, m) in mine))
     orders = replace(template, streams=tuple(streams), has_comms=False)
+    timing: dict[Action, tuple[float, float | None]] = {}
+    for op in ops:
+        s, k, m = op
+        at = solver.value(start[op])
+        if not inst.sends(op):
+            sent = None
+        elif op in posts:
+            sent = solver.value(posts[op]) / inst.scale
+        else:
+            sent = (at + inst.dur[s][k]) / inst.scale
+        timing[Action(s, KINDS[k], m)] = (at / inst.scale, sent)
     if late is not None:
         value = solver.value(makespan) / inst.scale
-        return SolverResult(orders, value, None, False, False, inst.model, took)
+        return SolverResult(orders, value, None, False, False, inst.model, took, timing)
     value = solver.objective_value / inst.scale
-    return SolverResult(orders, value, bound, status == cp_model.OPTIMAL, False, inst.model, took)
+    return SolverResult(orders, value, bound, status == cp_model.OPTIMAL, False, inst.model, took, timing)
 
 
 __all__ = [
@@ -421,7 +484,8 @@ __all__ = [
     "WORKERS",
     "SolverResult",
     "available",
-    "rank_bound",
+    "cheap_bound",
+    "model_times",
     "refuses",
     "solve",
 ]

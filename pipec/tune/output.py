@@ -55,7 +55,9 @@ def schedule_text(result: TuneResult, cost_arg: str, output: str = "best.pipe") 
         f"memory {_fraction(stage_limit)}",
         "",
     ]
-    orders = program.with_streams(program.compute_streams(), has_comms=False)
+    # the send/recv are listed when tune placed them itself (pipec.tune.placement): pipec check and simulate keep
+    # a literal list's own placement; otherwise they place them for the costs given, as tune did
+    orders = program if best.own_placement else program.with_streams(program.compute_streams(), has_comms=False)
     return "\n".join(lines) + dump_text(orders)
 
 
@@ -167,9 +169,14 @@ def certificate_text(result: TuneResult) -> str:
         f"V={p.chunks} {p.placement} {'-' if p.bound is None else f'{p.bound:g}'}{' proved' if p.solved else ''}"
         for p in cert.proofs
     )
+    reached = (
+        "this schedule reaches it under nccl: optimal under nccl too"
+        if cert.optimal(best.makespan if best is not None else None)
+        else "nccl may not reach it"
+    )
     relaxed = (
         f"\nthe bound is for a relaxation of nccl ({cert.model} model: a message takes its time between producer and "
-        "consumer, sends and receives batch freely); nccl may not reach it"
+        f"consumer, sends and receives batch freely); {reached}"
         if cert.relaxed
         else ""
     )
@@ -242,6 +249,7 @@ def _candidate_json(c: Candidate) -> dict:
         "verdict": c.verdict,
         "reason": c.reason,
         "bound": c.bound,
+        "own_placement": c.own_placement,  # its send/recv placed by tune from its timing, listed in the file
     }
 
 
@@ -249,7 +257,8 @@ def _origin(c: Candidate) -> str:
     phase = {1: "a library schedule", 2: "list scheduling under the costs", 3: "local moves", 4: "the exact phase"}
     origin = phase[c.phase]
     moves = f" + {c.moves} local moves" if c.moves else ""
-    return f"{c.label()}{moves} ({origin})"
+    placed = ", its send/recv as listed below, not placed by pipec" if c.own_placement else ""
+    return f"{c.label()}{moves} ({origin}{placed})"
 
 
 def _beat(best: Candidate, library: Candidate | None) -> str:

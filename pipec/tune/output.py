@@ -15,7 +15,7 @@ from fractions import Fraction
 from pipec.compiler import compute_orders
 from pipec.emit import dump_text
 from pipec.errors import PipecError
-from pipec.tune.search import _EPSILON, OK, Candidate, TuneResult, evaluate
+from pipec.tune.search import OK, Candidate, TuneResult, evaluate, gap_to, proves_optimal
 
 UNITS = "per-rank-share"
 
@@ -201,9 +201,9 @@ def _row_proof(c: Candidate) -> str:
     """A solver row's own certificate: for its V and placement."""
     assert c.bound is not None and c.program is not None
     shape = f"V={c.chunks} {'v' if c.name.endswith('-v') else 'loop'}"
-    if c.makespan is not None and c.makespan <= c.bound + _EPSILON:
+    if proves_optimal(c.makespan, c.bound):
         return f"proved optimal for {shape}"
-    gap = (c.makespan - c.bound) / c.bound if c.makespan is not None and c.bound > 0 else None
+    gap = gap_to(c.makespan, c.bound)
     return f"within {gap:.1%} of {shape}'s bound {c.bound:g}" if gap is not None else f"bound {c.bound:g}"
 
 

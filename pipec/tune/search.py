@@ -110,15 +110,23 @@ class Certificate:
         return min(p.bound for p in self.proofs)  # type: ignore[type-var]
 
     def optimal(self, makespan: float | None) -> bool:
-        bound = self.bound
-        return bound is not None and makespan is not None and makespan <= bound + _EPSILON
+        return proves_optimal(makespan, self.bound)
 
     def gap(self, makespan: float | None) -> float | None:
         """(makespan - bound) / bound: how far from optimal at most."""
-        bound = self.bound
-        if bound is None or makespan is None or bound <= 0 or math.isinf(bound):
-            return None
-        return max(0.0, (makespan - bound) / bound)
+        return gap_to(makespan, self.bound)
+
+
+def proves_optimal(makespan: float | None, bound: float | None) -> bool:
+    """Whether a lower bound certifies a makespan optimal (to the gain tune ignores)."""
+    return bound is not None and makespan is not None and makespan <= bound + _EPSILON
+
+
+def gap_to(makespan: float | None, bound: float | None) -> float | None:
+    """(makespan - bound) / bound, how far from optimal at most; None when the bound says nothing."""
+    if bound is None or makespan is None or bound <= 0 or math.isinf(bound):
+        return None
+    return max(0.0, (makespan - bound) / bound)
 
 
 @dataclass(frozen=True)

@@ -13,14 +13,19 @@ from cli_capture import run_main
 from paths import ROOT
 
 
-def test_run_without_torch_names_the_extra_not_a_bug(tmp_path: Path) -> None:
-    """`pip install -e .` has no torch: `pipec run` says how to get it (exit 2), not 'internal error'."""
+def _run_without_torch(tmp_path: Path) -> subprocess.CompletedProcess:
+    """`pipec run` as after `pip install -e .`: a `torch` package on the path that fails to import."""
     blocker = tmp_path / "blocked" / "torch"
     blocker.mkdir(parents=True)
     (blocker / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(blocker.parent), str(ROOT)]))
     command = [sys.executable, "-m", "pipec", "run", "1f1b", "-P", "2", "-M", "4", "--model", "examples.workload:mlp"]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_run_without_torch_names_the_extra_not_a_bug(tmp_path: Path) -> None:
+    """`pip install -e .` has no torch: `pipec run` says how to get it (exit 2), not 'internal error'."""
+    result = _run_without_torch(tmp_path)
     assert result.returncode == 2, result.stderr
     assert "'.[torch]'" in result.stderr and "internal error" not in result.stderr
     assert result.stderr.startswith("error: pipec run needs PyTorch")
@@ -290,10 +295,5 @@ def test_a_model_whose_import_hangs_is_said_to_be_hanging(tmp_path: Path) -> Non
 
 def test_run_says_what_it_is_doing_before_it_imports_torch(tmp_path: Path) -> None:
     """The first line comes before torch is imported (seconds on a busy machine): blocked torch, it is there."""
-    blocker = tmp_path / "blocked" / "torch"
-    blocker.mkdir(parents=True)
-    (blocker / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(blocker.parent), str(ROOT)]))
-    command = [sys.executable, "-m", "pipec", "run", "1f1b", "-P", "2", "-M", "4", "--model", "examples.workload:mlp"]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    result = _run_without_torch(tmp_path)
     assert result.stdout.startswith("pipec run: compiling and verifying 1f1b, then checking --model examples.workload")

@@ -199,12 +199,42 @@ class Program:
     # group g: the stages whose copies of one shared parameter set are summed by SYNC g (tied embeddings: (0, S-1);
     # the copies of one replicated stage); the SYNCs themselves are placed by pipec.passes.sync.insert_syncs
     sync_groups: tuple[tuple[int, ...], ...] = ()
+    # replicated pipelines (docs/design/replicated.md): C copies of the model over the same ranks, stages numbered
+    # over the copies (copy c's stage l is stage c * L + l, L = num_stages // pipelines); routes[m] is the copy
+    # micro-batch m goes through (empty: every micro-batch through copy 0, today's single chain)
+    pipelines: int = 1
+    routes: tuple[int, ...] = ()
     # the text it came from, if any; not part of what the program is: equal orders are equal programs
     provenance: Provenance | None = field(default=None, compare=False)
 
     @property
     def num_stages(self) -> int:
         return len(self.stage_to_rank)
+
+    @property
+    def stages_per_pipeline(self) -> int:
+        """L: the stages of one copy of the model (all of them when the program has one pipeline)."""
+        return self.num_stages // self.pipelines
+
+    def pipeline_of(self, stage: int) -> int:
+        return stage // self.stages_per_pipeline
+
+    def is_first(self, stage: int) -> bool:
+        """Whether ``stage`` is the first of its copy: where a micro-batch's input enters, and B/I send nothing."""
+        return stage % self.stages_per_pipeline == 0
+
+    def is_last(self, stage: int) -> bool:
+        """Whether ``stage`` is the last of its copy: where the loss is, and F sends nothing."""
+        return (stage + 1) % self.stages_per_pipeline == 0
+
+    def route_of(self, mb: int) -> int:
+        """The copy micro-batch ``mb`` goes through."""
+        return self.routes[mb] if self.routes else 0
+
+    def stages_of_microbatch(self, mb: int) -> range:
+        """The stages micro-batch ``mb`` passes, first to last."""
+        first = self.route_of(mb) * self.stages_per_pipeline
+        return range(first, first + self.stages_per_pipeline)
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
@@ -257,18 +287,30 @@ class Program:
         )
 
 
+def chain_links(num_stages: int, pipelines: int = 1) -> tuple[list[bool], list[bool]]:
+    """Per stage, whether its forward hands to stage + 1 (it is not its copy's last) and whether its backward hands
+    to stage - 1 (it is not its copy's first). With stages numbered over the copies a stage's neighbours are always
+    stage +- 1; only where a chain ends depends on the copies. The hot loops read these tables in place of the
+    single chain's `stage < S - 1` and `stage > 0`."""
+    length = num_stages // pipelines
+    has_next = [(s + 1) % length != 0 for s in range(num_stages)]
+    has_previous = [s % length != 0 for s in range(num_stages)]
+    return has_next, has_previous
+
+
 def build_graph(program: Program) -> nx.DiGraph:
     """Lower a program to its dependency DAG.
 
     Nodes are Actions (hashable NamedTuples) with attributes ``rank`` and ``index`` (position in the rank's
     stream; both halves of an overlapped pair share it). Edges carry ``kind``:
-    ``data`` (F(s,m)->F(s+1,m), F(s,m)->B/I(s,m), B/I(s+1,m)->B/I(s,m), I(s,m)->W(s,m)),
+    ``data`` (F(s,m)->F(s+1,m), F(s,m)->B/I(s,m), B/I(s+1,m)->B/I(s,m), I(s,m)->W(s,m); none across the end of
+    one copy's chain and the start of the next, ``chain_links``),
     ``program`` (consecutive instructions of one rank) and ``p2p`` (SEND -> its RECV).
     """
     import networkx as nx
 
     graph = nx.DiGraph(name=program.name, ranks=program.ranks, microbatches=program.microbatches)
-    last_stage = program.num_stages - 1
+    has_next, has_previous = chain_links(program.num_stages, program.pipelines)
     for rank, stream in enumerate(program.streams):
         previous: tuple[Action, ...] = ()
         for index, instruction in enumerate(stream):
@@ -280,12 +322,12 @@ def build_graph(program: Program) -> nx.DiGraph:
             previous = parts
     for node in list(graph.nodes):
         stage, kind, mb = node
-        if kind is Kind.F and stage < last_stage:
+        if kind is Kind.F and has_next[stage]:
             _add_data_edge(graph, node, Action(stage + 1, Kind.F, mb))
         if kind is Kind.F:
             _add_data_edge(graph, node, Action(stage, Kind.B, mb))
             _add_data_edge(graph, node, Action(stage, Kind.I, mb))
-        if kind in BACKWARD_KINDS and stage > 0:
+        if kind in BACKWARD_KINDS and has_previous[stage]:
             _add_data_edge(graph, node, Action(stage - 1, Kind.B, mb))
             _add_data_edge(graph, node, Action(stage - 1, Kind.I, mb))
         if kind is Kind.I:

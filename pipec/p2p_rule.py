@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from pipec.ir import Action, Kind
+from pipec.ir import Action, Kind, chain_links
 
 # The default compute durations of pipec.sim (pipec.sim.costs.Costs' defaults) and the replay's integer timeline.
 DEFAULT_DURATION: Mapping[Kind, int] = {Kind.F: 1, Kind.B: 2, Kind.I: 1, Kind.W: 1}
@@ -87,12 +87,13 @@ def peer_of(action: Action, stage_to_rank: Sequence[int]) -> int:
     return stage_to_rank[peer_stage(action)]
 
 
-def receiving_ranks(stage_to_rank: Sequence[int]) -> tuple[list[int | None], list[int | None]]:
+def receiving_ranks(stage_to_rank: Sequence[int], pipelines: int = 1) -> tuple[list[int | None], list[int | None]]:
     """Per stage, the rank its forward output goes to (stage + 1's) and the rank its input gradient goes to
-    (stage - 1's); None at the ends. Whether a message crosses ranks is then a comparison with the sender's rank."""
-    last = len(stage_to_rank) - 1
-    forward_to = [stage_to_rank[s + 1] if s < last else None for s in range(last + 1)]
-    backward_to = [stage_to_rank[s - 1] if s > 0 else None for s in range(last + 1)]
+    (stage - 1's); None at a copy's ends (``pipelines`` copies, stages numbered over them: pipec.ir.chain_links).
+    Whether a message crosses ranks is then a comparison with the sender's rank."""
+    has_next, has_previous = chain_links(len(stage_to_rank), pipelines)
+    forward_to = [stage_to_rank[s + 1] if has_next[s] else None for s in range(len(stage_to_rank))]
+    backward_to = [stage_to_rank[s - 1] if has_previous[s] else None for s in range(len(stage_to_rank))]
     return forward_to, backward_to
 
 

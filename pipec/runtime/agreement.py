@@ -19,6 +19,8 @@ from pipec.runtime.objects import all_gather_objects, broadcast_object
 
 def fingerprint(program: Program) -> str:
     text = repr((program.name, program.ranks, program.microbatches, program.chunks, program.stage_to_rank))
+    if program.pipelines > 1:  # (one pipeline: the text of before replicated pipelines, unchanged)
+        text += repr((program.pipelines, program.routes))
     text += "\n".join(" ".join(map(str, stream)) for stream in program.streams)
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
@@ -37,7 +39,8 @@ def agree(
     rank, world = dist.get_rank(), dist.get_world_size()
     sizes = None
     if rank == 0 or partition != "profile":
-        sizes = stages.partition(work.layers, program.num_stages, partition, sample, device)  # profiled there
+        # into the L stages of one copy (a replicated program's copies are the same model)
+        sizes = stages.partition(work.layers, program.stages_per_pipeline, partition, sample, device)  # profiled there
     label = f"{program.name} P={program.ranks} M={program.microbatches} V={program.chunks}"
     if dp > 1:
         label += f" --dp {dp}"
@@ -56,14 +59,16 @@ def agree(
 
 
 def exchange_shapes(program: Program, mine: dict, sample, dtype=None) -> dict[int, stages.Boundary]:
-    """What each stage but the last sends (a stages.Boundary: each tensor's shape and dtype as sent, in --dtype
-    for floating-point ones), learnt once: the owner runs the stage on an input of the right shapes (no grad,
-    under --dtype's autocast) and broadcasts the result to every rank, in stage order. What a stage returns
+    """What each stage but the last (of its copy) sends (a stages.Boundary: each tensor's shape and dtype as sent,
+    in --dtype for floating-point ones), learnt once: the owner runs the stage on an input of the right shapes (no
+    grad, under --dtype's autocast) and broadcasts the result to every rank, in stage order; the stages of copies
+    1 .. C-1 of a replicated program are copy 0's (the same layers) and send the same. What a stage returns
     must be a tensor or a tuple of tensors and, when training, hold a floating-point one (the gradients flow
     back through it): otherwise every rank stops here with the same message (bad input)."""
     shapes: dict = {}
     precision = torch.autocast(sample.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-    for s in range(program.num_stages - 1):
+    length = program.stages_per_pipeline
+    for s in range(length - 1):  # copy 0's stages: every copy of a replicated program sends what copy 0 sends
         owner = program.stage_to_rank[s]
         found = None
         if owner == dist.get_rank():
@@ -78,7 +83,8 @@ def exchange_shapes(program: Program, mine: dict, sample, dtype=None) -> dict[in
         found = broadcast_object(found, src=owner)
         if isinstance(found, str):
             raise PipecInputError(found)
-        shapes[s] = found
+        for copy in range(program.pipelines):
+            shapes[copy * length + s] = found
     return shapes
 
 

@@ -14,7 +14,7 @@ from pipec.runtime.objects import broadcast_object, gather_objects
 from pipec.runtime.options import Options
 from pipec.runtime.runner import Runner
 from pipec.runtime.status import RankStatus
-from pipec.runtime.ties import share_tied
+from pipec.runtime.ties import one_model
 
 CHECKPOINT_WAIT_S = 1800.0  # how long the other ranks wait for rank 0 to write a checkpoint (or --timeout)
 
@@ -42,7 +42,7 @@ class CheckpointWriter:
         runner = self.runner
         self.status.phase = f"writing the checkpoint of step {step}"
         start = time.perf_counter()
-        mine = (runner.state_dict(), runner.optimizer_state()) if runner.replica == 0 else None
+        mine = (runner.model_part(), runner.optimizer_state()) if runner.replica == 0 else None
         parts = gather_objects(mine, dst=0)
         error, path = None, ""
         if parts is not None:
@@ -67,12 +67,8 @@ class CheckpointWriter:
 
     def _commit(self, step: int, parts: list[tuple]) -> str:
         runner, options = self.runner, self.options
-        model: dict = {}
-        for state, _ in parts:
-            model.update(state)
-        # In the unsplit model's layer order (a rank's stages need not be consecutive: a V placement), as --save writes.
-        model = dict(sorted(model.items(), key=lambda item: int(item[0].partition(".")[0])))
-        model = share_tied(model, runner.ties)  # a parameter tied across ranks: stored once, under each key
+        # One model, as --save writes it: copy 0's, in layer order, a tied parameter stored once under each key
+        model = one_model([state for state, _ in parts], runner.ties)
         optimizer = checkpoint.merge_optimizer_states(opt for _, opt in parts)
         program, count = runner.program, len(runner.work.batches)
         spec = checkpoint.state_spec(model)

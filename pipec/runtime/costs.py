@@ -40,16 +40,18 @@ def stage_times(steps: list[dict]) -> dict[str, dict[str, float]]:
 def measured_costs(program: Program, ranks: list[dict]) -> dict | None:
     """The run's measured compute costs in the cost-file format (pipec.sim.costs), in milliseconds, describing
     the model as P consecutive segments (its stages at V=1): segment k sums stages kV .. kV+V-1, the units of
-    `--per-rank-share` and of `pipec tune`; at V=1 a segment is a stage. With replicas, the median over them.
+    `--per-rank-share` and of `pipec tune`; at V=1 a segment is a stage. With replicas, the median over them;
+    a replicated program describes one copy of the model (L stages, L / P a segment), the median over its copies.
     Schedules with a split backward give F, I, W; those with B give F, and I = W = B / 2 (the split is not
     measured; B = I + W is kept). Forward-only runs give F only. With parameters tied across ranks, `sync`: one
     SYNC's time (the smallest measured, see below). None without a step to measure."""
-    per_stage: dict[int, dict[str, list[float]]] = {}
+    per_stage: dict[int, dict[str, list[float]]] = {}  # per stage of one copy of the model
+    length = program.stages_per_pipeline
     for row in ranks:
         for stage, kinds in row.get("stage_ms", {}).items():
-            for kind, ms in kinds.items():
-                per_stage.setdefault(int(stage), {}).setdefault(kind, []).append(ms)
-    if len(per_stage) != program.num_stages:
+            for kind, ms in kinds.items():  # a replicated program: each copy's measurement of the logical stage
+                per_stage.setdefault(int(stage) % length, {}).setdefault(kind, []).append(ms)
+    if len(per_stage) != length or length % program.ranks:
         return None
     med = {s: {k: statistics.median(v) for k, v in kinds.items()} for s, kinds in per_stage.items()}
     if program.forward_only:
@@ -59,7 +61,7 @@ def measured_costs(program: Program, ranks: list[dict]) -> dict | None:
             if "I" not in kinds or "W" not in kinds:
                 kinds["I"] = kinds["W"] = kinds.get("B", 0.0) / 2
         names = ("F", "I", "W")
-    chunks = program.chunks
+    chunks = length // program.ranks  # V with one pipeline
     out = {}
     for name in names:
         row = [sum(med[k * chunks + c].get(name, 0.0) for c in range(chunks)) for k in range(program.ranks)]

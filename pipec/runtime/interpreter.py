@@ -56,9 +56,16 @@ stage input and of those layer outputs (keeping the graph); W then continues, la
 recorded output and its gradient to that layer's parameters only, so no part of the backward runs twice. (In a
 stage where two layers share a parameter, I runs the whole backward and W has nothing to do: stages.Stage.tied.)
 
-SYNC(s, g) (a parameter tied across ranks, ties.py): the gradients of sync group g's parameters, complete on this
-rank once its last W (or B) of the group's stages has run, are summed with the group's other member ranks (one
-bucketed all-reduce on the group's process group, `syncs[g]`), blocking until every member has reached it. It
+Replicated pipelines (a program of C > 1 copies of the model, docs/design/replicated.md): stages are numbered
+over the copies and a stage's neighbours are still stage +- 1, so nothing above changes but where a chain ends,
+read from the per-stage tables `has_next` / `has_previous` (pipec.ir.chain_links): micro-batch m's input enters
+at the first stage of its copy, its loss is taken at that copy's last stage (divided by M, the whole step's
+micro-batches: the copies' micro-batches make one batch), and the copies' gradients are summed by SYNC.
+
+SYNC(s, g) (parameters shared across ranks, tied or copies, ties.py): the gradients of sync group g's
+parameters, complete on this rank once its last W (or B) of the group's stages has run, are summed with the
+group's other member ranks (one bucketed all-reduce on the group's process group, `syncs[g]`), blocking until
+every member has reached it. It
 is an entry of its own. insert_syncs places it after the rank's last send/recv, and it first waits for every
 batch still outstanding, as the end of the step does: when a rank enters the collective nothing of its own is in
 flight, so the collective never interleaves with the verified p2p order (under NCCL a collective and p2p on two
@@ -78,7 +85,7 @@ import torch
 import torch.distributed as dist
 
 from pipec.errors import PipecError
-from pipec.ir import Action, Instruction, Kind, Overlap, Program
+from pipec.ir import Action, Instruction, Kind, Overlap, Program, chain_links
 from pipec.p2p_rule import peer_of, receive_for
 from pipec.runtime.buffers import _buffers, _give_back
 from pipec.runtime.replicas import sum_gradients
@@ -143,9 +150,15 @@ class Context:
     sync_s: float = 0.0
     synced: list = field(default_factory=list)
 
-    @property
-    def last_stage(self) -> int:
-        return len(self.stage_to_rank) - 1
+    # Per stage: whether its forward hands to stage + 1 and its backward to stage - 1 (pipec.ir.chain_links: False
+    # at the ends of each copy's chain of a replicated program, where the input enters and the loss is); empty:
+    # one chain over every stage (set by __post_init__)
+    has_next: list = field(default_factory=list)
+    has_previous: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.has_next:
+            self.has_next, self.has_previous = chain_links(len(self.stage_to_rank))
 
 
 # --- compute ----------------------------------------------------------------------------------------------
@@ -153,8 +166,8 @@ class Context:
 
 def forward(ctx: Context, action: Action) -> None:
     s, _, m = action
-    last = s == ctx.last_stage
-    x = ctx.inputs[m] if s == 0 else ctx.acts.pop((s, m))
+    last = not ctx.has_next[s]  # the last stage of its copy: the loss is here
+    x = ctx.acts.pop((s, m)) if ctx.has_previous[s] else ctx.inputs[m]
     seed = ctx.seeds[m] if ctx.seeds is not None else None
     start = _begin(ctx)
     if not ctx.training:
@@ -167,7 +180,7 @@ def forward(ctx: Context, action: Action) -> None:
             elif not last:
                 y = to_boundary(y, ctx.dtype)
     else:
-        leaves = _leaves(x) if s > 0 else ()
+        leaves = _leaves(x) if ctx.has_previous[s] else ()
         with _precision(ctx):
             y, recorded = ctx.stages[s].forward_recording(x, seed, ctx.generators)
             if last:
@@ -224,7 +237,7 @@ def _input_grads(x: tuple, got) -> tuple:
 def backward(ctx: Context, action: Action) -> None:
     s, _, m = action
     saved = ctx.saved.pop((s, m))
-    grads = None if s == ctx.last_stage else ctx.grads.pop((s, m))
+    grads = ctx.grads.pop((s, m)) if ctx.has_next[s] else None
     roots = _roots(saved.out, grads)
     x = saved.x
     start = _begin(ctx)
@@ -237,7 +250,7 @@ def backward(ctx: Context, action: Action) -> None:
     if ctx.received:
         del grads
         _give_back(ctx, "B", s, m)
-    if s > 0:
+    if ctx.has_previous[s]:
         ctx.grads[s - 1, m] = _input_grads(x, [t.grad for t in x])
         if ("F", s, m) in ctx.received:
             _clear_grads(x)  # a reused buffer must not accumulate into the last step's gradient
@@ -257,7 +270,7 @@ def backward_input(ctx: Context, action: Action) -> None:
         ctx.partial[s, m] = None  # W: nothing left (still counted live until W, as the verifier counts it)
         return
     x, out, recorded = ctx.saved.pop((s, m))
-    grads = None if s == ctx.last_stage else ctx.grads.pop((s, m))
+    grads = ctx.grads.pop((s, m)) if ctx.has_next[s] else None
     roots = _roots(out, grads)
     wanted = [*x, *(t for outputs in recorded for t in outputs)]
     start = _begin(ctx)
@@ -269,7 +282,7 @@ def backward_input(ctx: Context, action: Action) -> None:
     if ctx.received:  # the gradients received, unless W needs them (a layer's output that is the stage's)
         del grads
         _give_back(ctx, "B", s, m, later=True)
-    if s > 0:
+    if ctx.has_previous[s]:
         ctx.grads[s - 1, m] = _input_grads(x, got[: len(x)] if got else [None] * len(x))
         got = got[len(x) :]
     ctx.partial[s, m] = (recorded, got)
@@ -443,7 +456,7 @@ def complete(ctx: Context, batch: int) -> None:
 
 
 def synchronize(ctx: Context, entry: Entry) -> None:
-    """SYNC(s, g): sum the gradients of group g's tied parameters with its other members (see the module's
+    """SYNC(s, g): sum the gradients of group g's shared parameters with its other members (see the module's
     docstring); `waiting` names it meanwhile, for the guard thread and error messages."""
     action = entry.actions[0]
     group, params = ctx.syncs[action.mb]

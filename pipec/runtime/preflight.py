@@ -29,13 +29,14 @@ def validate(program: Program, options: Options) -> Options:
     work = workload.build(options.model, options.seed)
     inputs, targets = workload.split(work.batches[0], program.microbatches, 0, options.dp)
     sizes = None
+    length = program.stages_per_pipeline  # the stages of one copy of the model (all of them with one pipeline)
     if options.partition != "profile":
-        sizes = stages.partition(work.layers, program.num_stages, options.partition)
-    elif len(work.layers) < program.num_stages:
-        stages.optimal_partition([1.0] * len(work.layers), program.num_stages)
+        sizes = stages.partition(work.layers, length, options.partition)
+    elif len(work.layers) < length:
+        stages.optimal_partition([1.0] * len(work.layers), length)
     dtype = stages.compute_dtype(options.dtype)
     _dry_run(options.model, work, sizes, inputs[0], targets[0], training=not program.forward_only, dtype=dtype)
-    if sizes is not None:  # parameters tied across ranks: the program with their SYNCs must verify (exit 1)
+    if sizes is not None:  # parameters shared across ranks (tied, or copies): the synced program must verify (exit 1)
         ties.with_syncs(program, work.layers, sizes, options.model)
     if not program.forward_only:
         params = [p for p in work.layers.parameters() if p.requires_grad]

@@ -23,7 +23,7 @@ from pipec.runtime.objects import all_gather_objects, gather_objects
 from pipec.runtime.options import Options
 from pipec.runtime.runner import Runner
 from pipec.runtime.status import RankStatus
-from pipec.runtime.ties import share_tied
+from pipec.runtime.ties import one_model
 from pipec.runtime.trace import trace_text
 from pipec.verify.memory import peak_activations, stage_units_note
 
@@ -73,11 +73,9 @@ def summarise(
     }
     gathered = all_gather_objects((mine, runner.trace_events() if options.trace else []))
     weights = None
-    if options.save:  # replica 0 holds the whole model (every replica holds the same weights)
-        parts = gather_objects(runner.state_dict() if runner.replica == 0 else {}, dst=0)
-        weights = {k: v for part in parts for k, v in part.items()} if parts is not None else None
-        if weights is not None and runner.ties:  # a tied parameter saved once, under each of its keys
-            weights = share_tied(weights, runner.ties)
+    if options.save:  # replica 0 holds the whole model (every replica holds the same weights), copy 0 of it
+        parts = gather_objects(runner.model_part() if runner.replica == 0 else ({}, []), dst=0)
+        weights = one_model(parts, runner.ties) if parts is not None else None  # a tied parameter saved once
     samples = runner.work.batches[0][0].shape[0]  # the D replicas' micro-batches make the whole batch
     median = statistics.median(step_times) if step_times else None
     report = {

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pipec.errors import PipecInputError
-from pipec.ir import Program
+from pipec.ir import Program, chain_links
 from pipec.runtime import checkpoint, interpreter, stages, ties, timing, workload
 from pipec.runtime.agreement import agree, direct_group, exchange_shapes
 from pipec.runtime.costs import per_op
@@ -103,10 +103,13 @@ class Runner:
         device = group_device()
         inputs, _ = workload.split(work.batches[0], program.microbatches, replica, dp)
         sizes = agree(program, work, partition, inputs[0], dp, resume_step, device)
-        # A parameter tied across ranks: the SYNCs that sum its copies' gradients (a profiled partition is known
-        # only here; every rank derives the same program from the agreed partition)
-        tied = ties.find_ties(work.layers, sizes)
+        # A parameter shared across ranks (tied, or a replicated program's copies of a stage): the SYNCs that sum
+        # its copies' gradients (a profiled partition is known only here; every rank derives the same program from
+        # the agreed partition, which cuts one copy of the model into its L stages)
+        tied = ties.find_ties(work.layers, sizes, program.pipelines)
         program = ties.with_syncs(program, work.layers, sizes)
+        # Copies of the model (replicated pipelines): stage s is built from logical stage s % L, from this rank's
+        # own model, built from the shared seed: every copy starts from the same weights
         mine = stages.build_stages(work.layers, sizes, program.stages_of(prank))
         for stage in mine.values():
             stage.to(device)
@@ -117,6 +120,7 @@ class Runner:
         group = replica_group(layout, rank, timeout)
         sync_groups = ties.process_groups(program, dp, rank, timeout)  # after the replica groups, on every rank
         tied_params = ties.group_parameters(tied, program.sync_groups, work.layers)
+        has_next, has_previous = chain_links(program.num_stages, program.pipelines)
         generators = [torch.default_generator]
         if device.type == "cuda":
             generators.append(torch.cuda.default_generators[device.index or 0])
@@ -138,6 +142,8 @@ class Runner:
             clock=timing.clock_for(device),
             direct=direct_group(device, shapes),
             syncs={g: (sync_groups[g], tied_params[g]) for g in sync_groups},
+            has_next=has_next,
+            has_previous=has_previous,
         )
         # Each parameter once, under its first name in the unsplit model (a weight tied between stages, of this
         # rank or of several: one parameter, whose optimizer state every copy keys alike).
@@ -153,11 +159,17 @@ class Runner:
         interpreter.check_program(program)
         entries = interpreter.plan(program.streams[prank], GLOO_RECEIVES_AHEAD if ctx.direct is not None else 0)
         held = program.stages_of(prank)
-        feed = Feed(device, program.microbatches, replica, dp, 0 in held, program.num_stages - 1 in held)
+        inputs_here, targets_here = any(map(program.is_first, held)), any(map(program.is_last, held))
+        feed = Feed(device, program.microbatches, replica, dp, inputs_here, targets_here)
         return cls(
             program, work, rank, sizes, ctx, entries, optimizer, params, layout, group, names, feed, seed,
             time_base=common_time_base(device), ties=tied,
         )  # fmt: skip
+
+    @property
+    def holds_loss(self) -> bool:
+        """Whether this rank runs a copy's last stage, where micro-batches' losses are computed."""
+        return any(not self.ctx.has_next[s] for s in self.ctx.stages)
 
     @property
     def replica(self) -> int:
@@ -216,7 +228,9 @@ class Runner:
             ctx.events.extend(((action,), action.kind.value, begin, seconds) for action, begin, seconds in timed)
         self.events.extend((self.step_index, *event) for event in ctx.events)
         ctx.events.clear()
-        loss = float(ctx.loss) if self.program.stage_to_rank[-1] == self.pipeline_rank else None
+        # this rank's share of the step's loss: the micro-batches whose copy ends on one of its stages (the worker's
+        # all-reduce sums the shares; one chain: the whole loss, on the last stage's rank)
+        loss = float(ctx.loss) if self.holds_loss else None
         return StepStats(
             end - start, loop_s, compute_s, ctx.comm_s, allreduce_s, ctx.clock.optimizer_s(opt_end - opt_start), loss,
             nonfinite, ctx.compute_s, op_s, ctx.sync_s,
@@ -235,7 +249,8 @@ class Runner:
                 oks = finite.tolist()
                 bad = [(m, float(v)) for (m, _), v, ok in zip(ctx.losses, values, oks, strict=True) if not ok]
                 more = f" (and {len(bad) - 1} more micro-batches)" if len(bad) > 1 else ""
-                found.append(f"the loss is {bad[0][1]} at micro-batch {bad[0][0]} of stage {ctx.last_stage}{more}")
+                stage = self.program.stages_of_microbatch(bad[0][0])[-1]  # its copy's last stage
+                found.append(f"the loss is {bad[0][1]} at micro-batch {bad[0][0]} of stage {stage}{more}")
         if ctx.training and not _all_finite([p.grad for p in self.params if p.grad is not None]):
             for s in sorted(ctx.stages):
                 grads = [p.grad for p in ctx.stages[s].parameters() if p.grad is not None]
@@ -263,10 +278,19 @@ class Runner:
         return text
 
     def state_dict(self) -> dict:
+        """This rank's entries of one model, keyed as in the unsplit model: its stages of copy 0 (a replicated
+        program's other copies hold the same weights: `model_part`)."""
         out = {}
-        for stage in self.ctx.stages.values():
-            out.update(stage.state_dict())
+        for s, stage in self.ctx.stages.items():
+            if self.program.pipeline_of(s) == 0:
+                out.update(stage.state_dict())
         return out
+
+    def model_part(self) -> tuple[dict, list[dict]]:
+        """What this rank sends for --save and checkpoints (ties.one_model): `state_dict`, and the entries of each
+        of its stages of the copies 1 .. C-1, which rank 0 checks against copy 0's (none with one pipeline)."""
+        copies = [stage.state_dict() for s, stage in self.ctx.stages.items() if self.program.pipeline_of(s) > 0]
+        return self.state_dict(), copies
 
     def optimizer_state(self) -> dict | None:
         """This rank's optimizer state keyed by unsplit parameter name (None without an optimizer)."""

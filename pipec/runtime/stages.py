@@ -296,18 +296,30 @@ class Boundary(NamedTuple):
 
 
 def build_stages(layers, sizes: Sequence[int], wanted: Sequence[int]) -> dict[int, Stage]:
-    """The Stage objects for the stage indices in `wanted` (this rank's), sharing the model's layer objects."""
+    """The Stage objects for the stage indices in `wanted` (this rank's), sharing the model's layer objects.
+    `sizes` partitions one copy of the model into L stages: stage s holds the layers of logical stage s % L (a
+    replicated program's stages are numbered over its copies; with one pipeline s % L = s), so two copies of a
+    stage on one rank are one set of layers."""
     starts = [0]
     for size in sizes:
         starts.append(starts[-1] + size)
-    return {s: Stage.build(s, starts[s], list(layers[starts[s] : starts[s + 1]])) for s in wanted}
+    length = len(sizes)
+    return {s: Stage.build(s, starts[s % length], list(layers[starts[s % length] : starts[s % length + 1]]))
+            for s in wanted}  # fmt: skip
 
 
 def describe(layers, sizes: Sequence[int], stage_to_rank: Sequence[int]) -> str:
+    """One line per stage of one copy: its rank, layers and parameters; a replicated program's line names the
+    stages (and ranks) of the other copies too."""
     lines, start = [], 0
+    length = len(sizes)
     for s, size in enumerate(sizes):
         params = sum(p.numel() for layer in layers[start : start + size] for p in layer.parameters())
-        lines.append(f"  stage {s} (rank {stage_to_rank[s]}): layers {start}-{start + size - 1}, {params} parameters")
+        copies = range(s + length, len(stage_to_rank), length)
+        also = "".join(f"; copy {c // length}: stage {c} on rank {stage_to_rank[c]}" for c in copies)
+        lines.append(
+            f"  stage {s} (rank {stage_to_rank[s]}{also}): layers {start}-{start + size - 1}, {params} parameters"
+        )
         start += size
     return "\n".join(lines)
 

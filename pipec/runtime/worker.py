@@ -52,6 +52,8 @@ def train(program: Program, options: Options, say=print, status: RankStatus | No
     status.phase = "steps"
     if talk:
         replicas = f" x {options.dp} replicas" if options.dp > 1 else ""
+        if program.pipelines > 1:
+            replicas = f", {program.pipelines} copies of the model{replicas}"
         shape = f"P={program.ranks} M={program.microbatches} V={program.chunks}{replicas}"
         precision = f", --dtype {options.dtype} (autocast, float32 weights)" if options.dtype != "fp32" else ""
         say(f"{program.name}: {shape}, {world} processes{precision}")

@@ -9,61 +9,24 @@ schedules on 4 ranks. One spawn per world size runs every config in turn.
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
 
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
-os.environ["HF_HUB_OFFLINE"] = "1"  # no test downloads anything
+
+from hf_workloads import CONFIGS, EMBEDDING, HEAD, STEPS, spec, worst_difference  # noqa: E402
 
 import pipec  # noqa: E402
-import pipec.hf  # noqa: E402
 from pipec.runtime import launch  # noqa: E402
 
-STEPS, LR, TOLERANCE = 3, 0.1, 1e-6
-DATA = {"batch": 8, "seq": 12, "steps": STEPS, "lr": LR}
-CONFIGS = {
-    "gpt2": {"n_layer": 6, "n_embd": 32, "n_head": 4, "vocab_size": 64, "n_positions": 32, "resid_pdrop": 0.0,
-             "embd_pdrop": 0.0, "attn_pdrop": 0.0},  # GPT-2 ties its embeddings by default
-    "llama": {"num_hidden_layers": 6, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 32,
-              "tie_word_embeddings": True},
-}  # fmt: skip
-EMBEDDING, HEAD = "0.tokens.weight", "7.lm_head.weight"  # the tied weight's keys among the 8 layers'
+TOLERANCE = 1e-6
 SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2))
 RUNS = {  # world size -> (architecture, schedule, P, V, D)
     2: [(arch, name, 2, chunks, 1) for arch in CONFIGS for name, chunks in SCHEDULES],
     4: [(arch, name, 4, chunks, 1) for arch in CONFIGS for name, chunks in SCHEDULES]
     + [(arch, name, 2, chunks, 2) for arch in CONFIGS for name, chunks in SCHEDULES],
 }
-
-
-def spec(architecture: str) -> str:
-    options = {**CONFIGS[architecture], **DATA}
-    return f"pipec.hf:{architecture}?" + ",".join(f"{k}={v}" for k, v in options.items())
-
-
-def build(architecture: str) -> pipec.hf.HFWorkload:
-    torch.manual_seed(0)  # as pipec run seeds before calling the factory
-    return pipec.hf.from_config(architecture, **CONFIGS[architecture], **DATA)
-
-
-@functools.cache
-def reference(architecture: str) -> dict[str, torch.Tensor]:
-    """3 SGD steps of the HF model's own forward and loss on the whole batch, in one process."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the workers run
-    try:
-        work = build(architecture)
-        optimizer = torch.optim.SGD(work.model.parameters(), lr=LR)
-        for ids, _ in work.batches:
-            optimizer.zero_grad()
-            work.model(input_ids=ids, labels=ids).loss.backward()
-            optimizer.step()
-        return {k: v.detach().clone() for k, v in work.model.state_dict().items()}
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _train_all(runs: list[tuple]) -> dict:
@@ -92,11 +55,7 @@ def test_tied_gpt2_and_llama_train_like_the_hf_model_in_one_process(world: int) 
         merged: dict = {}
         for weights in per_rank:
             merged.update(weights[key])
-        work = build(architecture)
-        work.model.load_state_dict(work.model_state_dict(merged))  # the weights, back into the HF model
-        expected = reference(architecture)
-        got = work.model.state_dict()
-        worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
+        worst = worst_difference(architecture, merged)  # the weights, back into the HF model
         print(f"\n{architecture} {schedule} P={ranks} --dp {dp}: worst |weight - HF one process| {worst:.1e}")
         assert worst < TOLERANCE, (key, worst)
         copies = [w[key][k] for w in per_rank for k in (EMBEDDING, HEAD) if k in w[key]]

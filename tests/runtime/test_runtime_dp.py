@@ -19,6 +19,7 @@ from test_runtime import assert_same_weights
 
 from pipec.cli import main as cli_main
 from pipec.runtime import launch
+from pipec.runtime.stages import run_layers
 from pipec.runtime.workload import build, make_optimizer
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zbv")
@@ -60,14 +61,15 @@ def replica_weights(per_rank: list[dict], key: str, ranks: int, replica: int) ->
 
 
 def reference(spec: str, steps: int = STEPS) -> tuple[dict, list[float]]:
-    """One process training the whole model on each full batch (same seed, same optimizer)."""
+    """One process training the whole model on each full batch (same seed, same optimizer; a layer's tuple output
+    is the next layer's positional arguments, as `pipec run --model` documents)."""
     work = build(spec, seed=0)
     optimizer = make_optimizer(work, [p for p in work.layers.parameters() if p.requires_grad])
     losses = []
     for k in range(steps):
         x, y = work.batches[k % len(work.batches)]
         optimizer.zero_grad()
-        loss = work.loss_fn(work.layers(x), y)
+        loss = work.loss_fn(run_layers(work.layers, x), y)
         loss.backward()
         optimizer.step()
         losses.append(float(loss.detach()))

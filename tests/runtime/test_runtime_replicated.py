@@ -1,0 +1,211 @@
+"""Replicated pipelines through `pipec run` (#22 item 5): DualPipe (DeepSeek-V3) and Chimera (Li & Hoefler) hold
+two copies of the model over the same ranks, copy 0 running micro-batches 0 .. M/2-1 down from rank 0, copy 1 the
+rest up from rank P-1; the copies' SYNCs sum their gradients. Checked against one process training the whole
+model on each full batch (written without pipec's runtime), 3 steps:
+
+- dualpipe and chimera at P=4, M=8 on 4 gloo ranks, on the bundled transformer example
+  (examples/workload.py:causal_transformer, AdamW) and on a model not written for them (a tiny GPT-2 from
+  Hugging Face's code through pipec.hf, whose tied embeddings make per-parameter sync groups over all four of
+  their stages): every weight within 1e-5, and after EVERY step each stage of copy 1 bitwise equal to copy 0's;
+- `--dp 2` (dualpipe P=2 x 2 replicas), and a checkpoint written by dualpipe resumed by chimera;
+- `pipec run` of DeepSeek's own DualPipe order (tests/reference/deepseek_dualpipe_orders.json.gz as a stream
+  file): exit 0, `--save` writes one model (the keys of the unsplit model), the report's sync time per rank.
+One spawn of 4 workers runs every in-process config in turn, to share the start-up.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import on_gloo
+from paths import SUPPORT, TESTS
+from test_runtime_dp import reference
+
+import pipec
+from pipec.runtime import checkpoint, launch, stages, ties, workload
+
+transformers = pytest.importorskip("transformers")
+import hf_workloads  # noqa: E402  (after the skip: it imports pipec.hf's model code)
+
+TRANSFORMER = "examples.workload:causal_transformer"
+MLP = "workloads:mlp"
+GPT2 = hf_workloads.spec("gpt2")
+STEPS, TOLERANCE = 3, 1e-5
+# key -> (schedule, P, M, Options fields); "copies" runs are stepped here, every copy compared after each step
+CONFIGS = {
+    "dualpipe-transformer": ("dualpipe", 4, 8, {"model": TRANSFORMER}),
+    "chimera-transformer": ("chimera", 4, 8, {"model": TRANSFORMER}),
+    "dualpipe-gpt2": ("dualpipe", 4, 8, {"model": GPT2}),
+    "chimera-gpt2": ("chimera", 4, 8, {"model": GPT2}),
+    "dualpipe-dp": ("dualpipe", 2, 4, {"model": MLP, "dp": 2}),
+}
+COPIED = ("dualpipe-transformer", "chimera-transformer", "dualpipe-gpt2", "chimera-gpt2")
+
+
+def _step_and_compare_copies(schedule: str, ranks: int, microbatches: int, spec: str) -> dict:
+    """In every worker: the runtime's Runner stepped STEPS times; after each step every rank's stages' parameters
+    gathered, and each stage of copies 1 .. C-1 compared with its copy 0 bitwise. Returns copy 0's weights
+    (this rank's), the parameters compared and the stages that differed, per step."""
+    from pipec.runtime.objects import all_gather_objects
+    from pipec.runtime.runner import Runner
+
+    program = pipec.compile(schedule, ranks, microbatches)
+    work = workload.build(spec, 0)
+    runner = Runner.setup(program, work)
+    length = program.stages_per_pipeline
+    compared, differing = [], []
+    for k in range(STEPS):
+        runner.step(work.batches[k % len(work.batches)])
+        mine = {s: dict(stage.named_parameters()) for s, stage in runner.ctx.stages.items()}
+        gathered = {s: params for part in all_gather_objects(mine) for s, params in part.items()}
+        copies = [s for s in gathered if s >= length]
+        compared.append(sum(len(gathered[s]) for s in copies))
+        original = {s: gathered[s % length] for s in copies}  # copy 0's stage of the same layers
+        differing.append([s for s in copies if any(not torch.equal(p, original[s][n]) for n, p in gathered[s].items())])
+    return {"weights": runner.state_dict(), "compared": compared, "differing": differing}
+
+
+def _train_all(folder: str) -> dict:
+    """In every worker: each config through worker.train, each COPIED one also stepped here; then 2 steps of
+    dualpipe with a checkpoint, and the third step resumed from it under chimera."""
+    from pipec.runtime.options import Options
+    from pipec.runtime.worker import train
+
+    out = {}
+    for key, (schedule, ranks, microbatches, fields) in CONFIGS.items():
+        program = pipec.compile(schedule, ranks, microbatches)
+        out[key] = train(program, Options(steps=STEPS, quiet=True, **fields))
+        if key in COPIED:
+            out[key]["copies"] = _step_and_compare_copies(schedule, ranks, microbatches, fields["model"])
+    where = os.path.join(folder, "ck")
+    os.makedirs(where, exist_ok=True)  # (pipec run's preflight makes it before any worker starts)
+    train(pipec.compile("dualpipe", 4, 8), Options(model=TRANSFORMER, steps=2, quiet=True, checkpoint=where))
+    resumed = os.path.join(where, checkpoint.step_name(2))
+    options = Options(model=TRANSFORMER, steps=STEPS, quiet=True, resume=resumed, resume_step=2)
+    out["resumed"] = train(pipec.compile("chimera", 4, 8), options)
+    return out
+
+
+@functools.cache
+def runs(folder: str) -> list[dict]:
+    return launch.spawn(_train_all, 4, (folder,), timeout_s=180)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("replicated"))
+
+
+@pytest.fixture(scope="module")
+def per_rank(folder: str) -> list[dict]:
+    return runs(folder)
+
+
+@functools.cache
+def expected(spec: str) -> dict:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers run (their float32 sums are blocked by thread)
+    try:
+        return reference(spec, STEPS)[0]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def worst(spec: str, weights: dict) -> float:
+    """The largest |weight - one process| of a run's merged weights (copy 0's, every rank's)."""
+    if spec == GPT2:
+        return hf_workloads.worst_difference("gpt2", weights)
+    model = expected(spec)
+    assert sorted(weights) == sorted(model)
+    return max((weights[k] - model[k]).abs().max().item() for k in model)
+
+
+def merged(per_rank: list[dict], key: str, part=lambda result: result["weights"], ranks=range(4)) -> dict:
+    out: dict = {}
+    for rank in ranks:
+        out.update(part(per_rank[rank][key]))
+    return out
+
+
+@pytest.mark.parametrize("key", list(CONFIGS))
+def test_replicated_schedules_train_like_one_process(per_rank: list[dict], key: str) -> None:
+    _, ranks, _, fields = CONFIGS[key]
+    replicas = fields.get("dp", 1)
+    for replica in range(replicas):  # each replica holds the whole model: copy 0 of it
+        weights = merged(per_rank, key, ranks=range(replica * ranks, (replica + 1) * ranks))
+        difference = worst(fields["model"], weights)
+        print(f"\n{key} replica {replica}: worst |weight - one process| {difference:.1e}")
+        assert difference < TOLERANCE, (key, replica, difference)
+    report = per_rank[0][key]["report"]
+    assert all(row["sync_s"] > 0 for row in report["ranks"]), key  # every rank holds copies of stages of both
+    if key in COPIED:
+        copies = per_rank[0][key]["copies"]
+        assert copies["compared"] == [copies["compared"][0]] * STEPS and copies["compared"][0] > 0
+        assert copies["differing"] == [[]] * STEPS, key
+        assert worst(fields["model"], merged(per_rank, key, lambda result: result["copies"]["weights"])) < TOLERANCE
+
+
+def test_a_checkpoint_is_one_model_and_a_resume_restores_every_copy(per_rank: list[dict], folder: str) -> None:
+    """Written by dualpipe (two copies) after 2 steps: the unsplit model's entries, each once, as a one-copy run
+    writes them; resumed by chimera for the third step: every copy restored, the weights of one process's 3
+    steps."""
+    saved = os.path.join(folder, "ck", checkpoint.step_name(2))
+    model = torch.load(os.path.join(saved, checkpoint.MODEL_FILE), weights_only=True)
+    assert list(model) == list(workload.build(TRANSFORMER, 0).layers.state_dict())
+    optimizer = torch.load(os.path.join(saved, checkpoint.OPTIMIZER_FILE), weights_only=True)
+    names = [n for group in optimizer["param_groups"] for n in group["params"]]
+    assert sorted(names) == sorted(optimizer["state"]) and len(names) == len(set(names))
+    assert worst(TRANSFORMER, merged(per_rank, "resumed")) < TOLERANCE
+
+
+def test_the_sync_groups_are_per_parameter_over_ties_and_copies() -> None:
+    """A tied model with copies: the tied weight's four stages are one group, the rest of each stage's parameters
+    the group of its two copies; an untied model gets the copies' groups. Both verify (nccl model)."""
+    from pipec.verify import verify
+
+    program = pipec.compile("dualpipe", 4, 8)
+    for spec, tied in ((GPT2, True), (TRANSFORMER, False)):
+        work = workload.build(spec, 0)
+        sizes = stages.partition(work.layers, program.stages_per_pipeline)
+        synced = ties.with_syncs(program, work.layers, sizes)
+        copies = tuple((s, s + 4) for s in range(4))
+        assert synced.sync_groups == (((0, 3, 4, 7), *copies) if tied else copies), spec
+        assert verify(synced, p2p="nccl").ok
+
+
+def _deepseek_stream_file(path, ranks: int, microbatches: int) -> None:
+    """DeepSeek's DualPipe order (tests/reference, pipec's numbering) as a stream file: `pipelines 2`, a rank line
+    each, an overlapped pair `F&B` as the text form's `(F;B)OVERLAP_F_B`."""
+    with gzip.open(TESTS / "reference" / "deepseek_dualpipe_orders.json.gz", "rt", encoding="utf-8") as file:
+        orders = json.load(file)[f"{ranks},{microbatches}"]
+
+    def word(text: str) -> str:
+        return f"({text.replace('&', ';')})OVERLAP_F_B" if "&" in text else text
+
+    lines = [f"rank {r}: " + " ".join(map(word, order.split())) for r, order in enumerate(orders)]
+    path.write_text("pipelines 2\n" + "\n".join(lines) + "\n")
+
+
+def test_pipec_run_trains_deepseeks_own_dualpipe_order_and_saves_one_model(tmp_path) -> None:
+    streams = tmp_path / "deepseek_dualpipe.txt"
+    _deepseek_stream_file(streams, 4, 8)
+    # the examples folder's module from the checkout's root (as `python -m` would find it there)
+    path = os.pathsep.join([str(SUPPORT), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "pipec", "run", str(streams), "--model", TRANSFORMER, "--steps", str(STEPS),
+               "--save", "w.pt", "--report", "r.json"]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=path)
+    done = subprocess.run(on_gloo(command), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert "copies: stages 0, 4 on ranks 0, 3:" in done.stdout, done.stdout
+    assert "sync_s" in done.stdout
+    saved = torch.load(tmp_path / "w.pt", weights_only=True)
+    assert worst(TRANSFORMER, saved) < TOLERANCE
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [row["sync_s"] > 0 for row in report["ranks"]] == [True] * 4

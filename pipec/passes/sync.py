@@ -73,6 +73,15 @@ def program_groups(num_stages: int, pipelines: int, ties: Sequence[Sequence[int]
     return tuple(sorted(set(lifted) | set(copies)))
 
 
+def with_copy_syncs(program: Program) -> Program:
+    """A program of C > 1 pipelines (copies of the model), its send/recv placed, with the SYNCs that sum each
+    stage's gradients over its copies before the step (program_groups), unless it declares sync groups of its
+    own; any other program as it is. The compile driver and the verifier's own lowering apply it alike."""
+    if program.pipelines == 1 or program.sync_groups:
+        return program
+    return insert_syncs(program, program_groups(program.num_stages, program.pipelines))
+
+
 def check_groups(groups: Sequence[Sequence[int]], stages: int) -> SyncGroups:
     """The groups as tuples, or PipecInputError naming what is wrong with one."""
     out = []

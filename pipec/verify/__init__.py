@@ -110,6 +110,9 @@ def _verify(
         raise PipecInputError(f"unknown p2p model {p2p!r}; expected one of: {', '.join(MODELS)}")
     if memory_limit is not None and memory_limit < 0:
         raise PipecInputError(f"the memory limit must not be negative, got {memory_limit:g}")
+    routing = program.routing_problem()
+    if routing:
+        raise PipecInputError(routing)
     sizes = validate_memory_model(program, input_fraction, stage_sizes)
     flat = flatten(program, input_fraction, sizes, batched=batched(p2p))  # the int form every pass shares
     verdicts = [Verdict("structure", *_ok(check_structure(program, flat)))]
@@ -117,8 +120,9 @@ def _verify(
         lowered_here = p2p in IN_ORDER and not program.has_comms
         if lowered_here:  # positions in the explanations are the lowered program's
             from pipec.passes.p2p import insert_p2p_ops
+            from pipec.passes.sync import with_copy_syncs
 
-            program = insert_p2p_ops(program)
+            program = with_copy_syncs(insert_p2p_ops(program))
             flat = flatten(program, input_fraction, sizes, batched=batched(p2p))
         deadlock = check_deadlock(program, p2p, flat, placed=True if lowered_here else None)
         if p2p in IN_ORDER:

@@ -30,6 +30,7 @@ from datetime import timedelta
 
 from pipec.errors import PipecInputError, ScheduleError
 from pipec.ir import Program
+from pipec.passes.sync import insert_syncs, member_ranks, program_groups
 
 
 @dataclass(frozen=True)
@@ -70,38 +71,38 @@ def find_ties(layers, sizes: Sequence[int], pipelines: int = 1) -> list[Tie]:
     ]
 
 
-def copies_only(program: Program) -> bool:
-    """Whether every sync group of a replicated program is the copies of one logical stage (l, L + l, ...): the
-    groups the compiler gives it, knowing nothing of the model's tied weights."""
-    length, stages = program.stages_per_pipeline, program.num_stages
-    return program.pipelines > 1 and all(group == tuple(range(group[0], stages, length)) and group[0] < length
-                                         for group in program.sync_groups)  # fmt: skip
-
-
-def sync_groups(ties: Sequence[Tie], stage_to_rank: Sequence[int]) -> tuple[tuple[int, ...], ...]:
-    """The distinct stage sets of the ties that span two or more ranks, sorted: the program's sync groups. A tie
-    whose stages all run on one rank is one parameter object there and needs no sync."""
-    spanning = {tie.stages for tie in ties if len({stage_to_rank[s] for s in tie.stages}) > 1}
-    return tuple(sorted(spanning))
+def sync_groups(ties: Sequence[Tie], stage_to_rank: Sequence[int], pipelines: int = 1) -> tuple[tuple[int, ...], ...]:
+    """The program's sync groups for the model's shared parameters, sorted. One pipeline: the distinct stage sets
+    of the ties that span two or more ranks (a tie whose stages all run on one rank is one parameter object there
+    and needs no sync). Several: `pipec.passes.sync.program_groups` of the ties' stage sets in one copy (each
+    lifted to every copy, and every stage's copies a group), the groups the compiler gives a replicated program
+    when the model ties nothing; a group on one rank gets no SYNC (insert_syncs)."""
+    if pipelines == 1:
+        spanning = {tie.stages for tie in ties if len({stage_to_rank[s] for s in tie.stages}) > 1}
+        return tuple(sorted(spanning))
+    length = len(stage_to_rank) // pipelines
+    in_one_copy = {tuple(s for s in tie.stages if s < length) for tie in ties if len(tie.names) > 1}
+    return program_groups(len(stage_to_rank), pipelines, sorted(group for group in in_one_copy if len(group) > 1))
 
 
 def with_syncs(program: Program, layers, sizes: Sequence[int], spec: str | None = None) -> Program:
     """`program` with the SYNCs that the model's shared parameters need under the partition `sizes` (itself when
     none do, or when it trains nothing), verified as the runtime runs it (the nccl p2p model). A program that
-    already holds SYNCs (a stream file) must sync exactly these groups, unless they are a replicated program's
-    copies' groups (`copies_only`): those the model's ties refine into its per-parameter groups."""
+    already holds SYNCs (a stream file) must sync exactly these groups, unless they are the copies' groups the
+    compiler gives a replicated program (`program_groups` without ties): the model's ties refine those into its
+    per-parameter groups."""
     if program.forward_only:  # inference steps nothing: every copy of a shared weight stays the same
         return program
-    groups = sync_groups(find_ties(layers, sizes, program.pipelines), program.stage_to_rank)
+    groups = sync_groups(find_ties(layers, sizes, program.pipelines), program.stage_to_rank, program.pipelines)
     if program.sync_groups == groups:
         return program
-    if program.sync_groups and not copies_only(program):
+    compiled = program.pipelines > 1 and program.sync_groups == program_groups(program.num_stages, program.pipelines)
+    if program.sync_groups and not compiled:
         where = f"--model {spec}: " if spec else ""
         raise PipecInputError(
             f"{where}the schedule syncs the stage groups {list(program.sync_groups)}, but the model's tied "
             f"parameters under the partition {','.join(map(str, sizes))} need {list(groups) or 'none'}"
         )
-    from pipec.passes.sync import insert_syncs
     from pipec.verify import verify
 
     synced = insert_syncs(program, groups)  # (it drops the SYNCs the program held)
@@ -126,11 +127,11 @@ def describe_ties(ties: Sequence[Tie], program: Program) -> list[str]:
             )
     for stages in program.sync_groups if program.pipelines > 1 else ():
         copied = sum(1 for tie in ties if tie.stages == stages and len(tie.names) == 1)
-        if copied:
-            ranks = sorted({program.stage_to_rank[s] for s in stages})
+        ranks = member_ranks(stages, program.stage_to_rank)
+        if copied and ranks:
             out.append(
-                f"copies: stages {', '.join(map(str, stages))} on ranks {', '.join(map(str, ranks))}: {copied} "
-                f"parameter{'s' if copied > 1 else ''} each, their gradients summed by SYNC"
+                f"copies: stages {', '.join(map(str, stages))} on ranks {', '.join(map(str, ranks))}: one stage's "
+                f"{copied} parameter tensor{'s' if copied > 1 else ''}, their gradients summed by SYNC"
             )
     return out
 
@@ -159,15 +160,17 @@ def process_groups(program: Program, replicas: int, rank: int, timeout: timedelt
     import torch.distributed as dist
 
     ranks = program.ranks
-    members = [sorted({program.stage_to_rank[s] for s in stages}) for stages in program.sync_groups]
-    if not members:
+    # a group on one rank (a replicated program's copies of a stage placed together) issues no SYNC: no group
+    members = [member_ranks(stages, program.stage_to_rank) for stages in program.sync_groups]
+    if not any(members):
         return {}
-    key = (id(dist.group.WORLD), ranks, replicas, tuple(map(tuple, members)))
+    key = (id(dist.group.WORLD), ranks, replicas, tuple(members))
     if key not in _GROUPS:
         _GROUPS[key] = [
-            [dist.new_group([replica * ranks + r for r in group], timeout=timeout) for group in members]
+            [dist.new_group([replica * ranks + r for r in group], timeout=timeout) if group else None
+             for group in members]
             for replica in range(replicas)
-        ]
+        ]  # fmt: skip
     replica, prank = divmod(rank, ranks)
     return {g: _GROUPS[key][replica][g] for g, group in enumerate(members) if prank in group}
 

@@ -60,19 +60,25 @@ def replica_weights(per_rank: list[dict], key: str, ranks: int, replica: int) ->
     return weights
 
 
-def reference(spec: str, steps: int = STEPS) -> tuple[dict, list[float]]:
+def reference(spec: str, steps: int = STEPS, microbatches: int = 1) -> tuple[dict, list[float]]:
     """One process training the whole model on each full batch (same seed, same optimizer; a layer's tuple output
-    is the next layer's positional arguments, as `pipec run --model` documents)."""
+    is the next layer's positional arguments, as `pipec run --model` documents). With `microbatches` M > 1, the
+    batch's M micro-batches in turn, each loss / M, their gradients accumulated before the optimizer step (the
+    same arithmetic as the pipeline's: an optimizer that amplifies rounding, AdamW on near-zero gradients, then
+    compares within 1e-5 where the whole batch at once differs by more)."""
     work = build(spec, seed=0)
     optimizer = make_optimizer(work, [p for p in work.layers.parameters() if p.requires_grad])
     losses = []
     for k in range(steps):
         x, y = work.batches[k % len(work.batches)]
         optimizer.zero_grad()
-        loss = work.loss_fn(run_layers(work.layers, x), y)
-        loss.backward()
+        total = 0.0
+        for part_x, part_y in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
+            loss = work.loss_fn(run_layers(work.layers, part_x), part_y) / microbatches
+            loss.backward()
+            total += float(loss.detach())
         optimizer.step()
-        losses.append(float(loss.detach()))
+        losses.append(total)
     return {k: v.detach().clone() for k, v in work.layers.state_dict().items()}, losses
 
 

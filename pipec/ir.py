@@ -236,6 +236,23 @@ class Program:
         first = self.route_of(mb) * self.stages_per_pipeline
         return range(first, first + self.stages_per_pipeline)
 
+    def routing_problem(self) -> str | None:
+        """What is wrong with ``pipelines`` and ``routes``, if anything: C must divide the stages, and routes be
+        empty or name one copy 0..C-1 per micro-batch. Every engine that reads them asks this first."""
+        copies, stages, mbs = self.pipelines, self.num_stages, self.microbatches
+        if type(copies) is not int or copies < 1:
+            return f"pipelines must be a positive integer, got {copies!r}"
+        if stages % copies:
+            return f"{stages} stages do not split into {copies} pipelines (copies of the model) of equal length"
+        if not self.routes:
+            return None
+        if len(self.routes) != mbs:
+            return f"routes give {len(self.routes)} micro-batches a copy; the program has {mbs} micro-batches"
+        for mb, copy in enumerate(self.routes):
+            if type(copy) is not int or not 0 <= copy < copies:
+                return f"the route of micro-batch {mb} is {copy!r}: the copies are 0..{copies - 1}"
+        return None
+
     def stages_of(self, rank: int) -> tuple[int, ...]:
         return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
 
@@ -287,7 +304,11 @@ class Program:
         )
 
 
-def chain_links(num_stages: int, pipelines: int = 1) -> tuple[list[bool], list[bool]]:
+# chain_links' tables: per stage, whether its forward hands on to stage + 1 and whether its backward to stage - 1
+ChainLinks = tuple[list[bool], list[bool]]
+
+
+def chain_links(num_stages: int, pipelines: int = 1) -> ChainLinks:
     """Per stage, whether its forward hands to stage + 1 (it is not its copy's last) and whether its backward hands
     to stage - 1 (it is not its copy's first). With stages numbered over the copies a stage's neighbours are always
     stage +- 1; only where a chain ends depends on the copies. The hot loops read these tables in place of the

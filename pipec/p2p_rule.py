@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from pipec.ir import Action, Kind, chain_links
+from pipec.ir import Action, ChainLinks, Kind, chain_links
 
 # The default compute durations of pipec.sim (pipec.sim.costs.Costs' defaults) and the replay's integer timeline.
 DEFAULT_DURATION: Mapping[Kind, int] = {Kind.F: 1, Kind.B: 2, Kind.I: 1, Kind.W: 1}
@@ -160,27 +160,33 @@ def producers(send: Action) -> tuple[Action, ...]:
     return (Action(stage, Kind.B, mb), Action(stage, Kind.I, mb))
 
 
-def remote_input(action: Action, rank: int, stage_to_rank: Sequence[int], last: int) -> Action | None:
-    """The RECV this compute action (on ``rank``) needs, if its input comes from another rank."""
+def remote_input(action: Action, rank: int, stage_to_rank: Sequence[int], links: ChainLinks) -> Action | None:
+    """The RECV this compute action (on ``rank``) needs, if its input comes from another rank. ``links``:
+    pipec.ir.chain_links of the program (where each copy's chain ends)."""
     stage, kind, _ = action
+    has_next, has_previous = links
+    in_range = 0 <= stage < len(has_next)
     if kind is Kind.F:
-        remote = 0 < stage <= last and stage_to_rank[stage - 1] != rank
+        remote = in_range and has_previous[stage] and stage_to_rank[stage - 1] != rank
     elif kind is Kind.B or kind is Kind.I:
-        remote = 0 <= stage < last and stage_to_rank[stage + 1] != rank
+        remote = in_range and has_next[stage] and stage_to_rank[stage + 1] != rank
     else:
         remote = False
     return receive_for(action) if remote else None
 
 
 def remote_output(
-    action: Action, rank: int, stage_to_rank: Sequence[int], last: int
+    action: Action, rank: int, stage_to_rank: Sequence[int], links: ChainLinks
 ) -> tuple[Action, int, Action] | None:
-    """(SEND, receiving rank, RECV) for an output of this compute action (on ``rank``) that another rank consumes."""
+    """(SEND, receiving rank, RECV) for an output of this compute action (on ``rank``) that another rank consumes.
+    ``links``: pipec.ir.chain_links of the program."""
     stage, kind, _ = action
+    has_next, has_previous = links
+    in_range = 0 <= stage < len(has_next)
     if kind is Kind.F:
-        target = stage + 1 if 0 <= stage < last else -1
+        target = stage + 1 if in_range and has_next[stage] else -1
     elif kind is Kind.B or kind is Kind.I:
-        target = stage - 1 if 0 < stage <= last else -1
+        target = stage - 1 if in_range and has_previous[stage] else -1
     else:
         target = -1
     if target < 0 or stage_to_rank[target] == rank:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipec.ir import Action, Kind
+from pipec.ir import Action, Kind, chain_links
 from pipec.p2p_rule import (
     DEFAULT_DURATION,
     consumers,
@@ -66,20 +66,34 @@ def test_which_receive_feeds_which_compute() -> None:
     assert receive_for(Action(2, Kind.W, 4)) is None
 
 
-@pytest.mark.parametrize("where", [(0, 1, 2, 3), (0, 1, 1, 0), (0, 0, 1, 1)])
-def test_remote_inputs_and_outputs_are_exactly_the_rank_crossing_edges(where: tuple[int, ...]) -> None:
-    last = len(where) - 1
-    for stage in range(last + 1):
-        rank = where[stage]
+@pytest.mark.parametrize(
+    ("where", "pipelines"),
+    [
+        ((0, 1, 2, 3), 1),
+        ((0, 1, 1, 0), 1),
+        ((0, 0, 1, 1), 1),
+        ((0, 1, 1, 0), 2),
+        ((0, 1, 2, 2, 1, 0), 2),
+        ((0, 1, 0, 1), 2),
+    ],
+)
+def test_remote_inputs_and_outputs_are_exactly_the_rank_crossing_edges(where: tuple[int, ...], pipelines: int) -> None:
+    """Within a copy (stages c*L .. c*L + L-1) neighbours exchange; never across two copies' chains."""
+    length = len(where) // pipelines
+    links = chain_links(len(where), pipelines)
+    for stage in range(len(where)):
+        rank, copy = where[stage], stage // length
         for kind in (Kind.F, Kind.B, Kind.I, Kind.W):
             action = Action(stage, kind, 0)
             source = stage - 1 if kind is Kind.F else stage + 1
-            crosses_in = kind is not Kind.W and 0 <= source <= last and where[source] != rank
-            recv = remote_input(action, rank, where, last)
+            in_copy = 0 <= source < len(where) and source // length == copy
+            crosses_in = kind is not Kind.W and in_copy and where[source] != rank
+            recv = remote_input(action, rank, where, links)
             assert (recv is not None) == crosses_in
             target = stage + 1 if kind is Kind.F else stage - 1
-            crosses_out = kind is not Kind.W and 0 <= target <= last and where[target] != rank
-            out = remote_output(action, rank, where, last)
+            in_copy = 0 <= target < len(where) and target // length == copy
+            crosses_out = kind is not Kind.W and in_copy and where[target] != rank
+            out = remote_output(action, rank, where, links)
             assert (out is not None) == crosses_out
             if out is not None:
                 send, to, receive = out

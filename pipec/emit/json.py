@@ -16,7 +16,7 @@ from pipec.library import parse_json
 FORMAT_NAME = "pipec.streams"
 FORMAT_VERSION = 1
 _REQUIRED = ("format", "version", "ranks", "microbatches", "chunks", "stages", "placement", "streams")
-_OPTIONAL = ("schedule", "params", "memory_bound", "has_comms", "forward_only", "sync_groups")
+_OPTIONAL = ("schedule", "params", "memory_bound", "has_comms", "forward_only", "sync_groups", "pipelines", "routes")
 _MAX_NAME = 200  # characters of the schedule's name and of a parameter's name
 _MAX_INT = 10**18  # a parameter's magnitude, as in .pipe integer literals
 _MAX_AMOUNT = 1e15  # a memory bound, in activation units
@@ -41,6 +41,9 @@ def dump_json(program: Program) -> str:
         document["forward_only"] = True
     if program.sync_groups:  # likewise: programs without SYNCs keep their files byte for byte
         document["sync_groups"] = [list(group) for group in program.sync_groups]
+    if program.pipelines > 1:  # replicated copies of the model (docs/design/replicated.md); one copy: as before
+        document["pipelines"] = program.pipelines
+        document["routes"] = [program.route_of(mb) for mb in range(program.microbatches)]
     return json.dumps(document, indent=1) + "\n"
 
 
@@ -119,8 +122,9 @@ def load_json(text: str, where: str = "<json>", expected: Mapping[str, int | Non
         where,
         f"'sync_groups' must be a list of lists of stage numbers, got {brief(groups)}",
     )
+    pipelines, routes = _copies(doc, where)
     program = program_from_streams(
-        streams, where, name, expected or {}, error_at, doc["microbatches"], tuple(placement), groups
+        streams, where, name, expected or {}, error_at, doc["microbatches"], tuple(placement), groups, pipelines, routes
     )
     return replace(
         program,
@@ -129,6 +133,37 @@ def load_json(text: str, where: str = "<json>", expected: Mapping[str, int | Non
         has_comms=_has_comms(doc.get("has_comms", program.has_comms), program, where),
         forward_only=_flag(doc, "forward_only", where),
     )
+
+
+def _copies(doc: dict, where: str) -> tuple[int, list[int] | None]:
+    """'pipelines' (default 1) and 'routes' (one copy per micro-batch; absent: read from the ops)."""
+    pipelines = doc.get("pipelines", 1)
+    _require(
+        _is_int(pipelines) and 1 <= pipelines <= doc["stages"],
+        where,
+        f"'pipelines' must be a positive integer of at most 'stages' ({doc['stages']}), got {brief(pipelines)}",
+    )
+    _require(
+        doc["stages"] % pipelines == 0,
+        where,
+        f"'stages' ({doc['stages']}) must split into 'pipelines' ({pipelines}) copies of equal length",
+    )
+    routes = doc.get("routes")
+    if routes is None:
+        return pipelines, None
+    _require(
+        isinstance(routes, list) and len(routes) == doc["microbatches"],
+        where,
+        f"'routes' must be a list of {doc['microbatches']} copies (one per micro-batch), got {brief(routes)}",
+    )
+    for mb, copy in enumerate(routes):
+        _require(
+            _is_int(copy) and 0 <= copy < pipelines,
+            where,
+            f"routes[{mb}] must be a copy in 0..{pipelines - 1}, got {brief(copy)}",
+        )
+    _require(pipelines > 1 or not any(routes), where, "'routes' names copies, but 'pipelines' is 1")
+    return pipelines, routes
 
 
 def _memory_bound(bound: Any, ranks: int, where: str) -> tuple[float, ...] | None:

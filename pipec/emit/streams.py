@@ -56,10 +56,14 @@ def program_from_streams(
     microbatches: int | None = None,
     placement: tuple[int, ...] | None = None,
     sync_groups: Sequence[Sequence[int]] = (),
+    pipelines: int = 1,
+    routes: Sequence[int] | None = None,
 ) -> Program:
     """Check the streams against the file's own extent and the caller's flags (`expected`); infer what the file
     does not declare (`microbatches`, `placement`: None for text and CSV). `sync_groups`: the groups the file
-    declares; a SYNC must name one of them (its third number is the group, not a micro-batch)."""
+    declares; a SYNC must name one of them (its third number is the group, not a micro-batch). `pipelines`: the
+    copies of the model the file declares (docs/design/replicated.md); `routes` (None: inferred from the ops, each
+    micro-batch through the copy whose stages its ops name) the copy of each micro-batch."""
     ranks = len(streams)
     if ranks == 0:
         raise PipecSyntaxError(f"{where}: the file lists no ranks")
@@ -104,31 +108,8 @@ def program_from_streams(
         raise error_at(rank, index, f"stage {stage} is outside 0..{stages - 1} ({why})")
     if placement is None:
         placement = tuple(owner[s] for s in range(stages))  # every stage is there: stages are 0..S-1, distinct
-    declared = microbatches is not None
-    if microbatches is None:
-        microbatches = top_mb[0] + 1
-    elif top_mb[0] >= microbatches:
-        mb, rank, index = top_mb
-        raise error_at(
-            rank, index, f"micro-batch {mb} is outside 0..{microbatches - 1} ('microbatches' is {microbatches})"
-        )
-    if microbatches * stages > compute:
-        # A complete step runs every micro-batch on every stage: M x S forwards at least. Past that the file is
-        # incomplete anyway, and refusing it keeps everything sized from M x S (the verifier's and the
-        # simulator's tables) linear in the file.
-        why = "a complete step runs every micro-batch on every stage"
-        if declared:
-            raise PipecSyntaxError(
-                f"{where}: invalid pipec stream file: 'microbatches' x 'stages' = {microbatches * stages} is more "
-                f"than the {compute} compute actions in 'streams' ({why})"
-            )
-        mb, rank, index = top_mb
-        raise error_at(
-            rank,
-            index,
-            f"micro-batch {mb} is too large: with {stages} stage(s) and {compute} compute actions in the file, "
-            f"micro-batches must be below {compute // stages} ({why})",
-        )
+    microbatches = _microbatches(where, error_at, microbatches, top_mb, stages, pipelines, compute)
+    length = stages // pipelines  # each micro-batch passes one copy's stages
     if stages % ranks:
         raise PipecInputError(f"{where}: {stages} stages do not divide evenly over {ranks} ranks")
     try:
@@ -154,6 +135,12 @@ def program_from_streams(
                 f"{where}: {flags[key]} {value} disagrees with the file, which has {key} = {inferred[key]}"
             )
     has_comms = any(not a.kind.is_compute for stream in streams for i in stream for a in i.parts)
+    if pipelines == 1:
+        routed: tuple[int, ...] = ()
+    elif routes is None:
+        routed = _routes_of(streams, length, microbatches, error_at)
+    else:
+        routed = tuple(routes)
     return Program(
         name=name,
         ranks=ranks,
@@ -165,4 +152,81 @@ def program_from_streams(
         source=where,
         has_comms=has_comms,
         sync_groups=groups,
+        pipelines=pipelines,
+        routes=routed,
     )
+
+
+def _microbatches(
+    where: str,
+    error_at: ErrorAt,
+    microbatches: int | None,
+    top_mb: tuple[int, int, int],
+    stages: int,
+    pipelines: int,
+    compute: int,
+) -> int:
+    """M, declared or one past the highest micro-batch named, checked against the file's extent: a complete step
+    runs every micro-batch on every stage of its copy, so M x S / C is at most the compute actions."""
+    declared = microbatches is not None
+    if microbatches is None:
+        microbatches = top_mb[0] + 1
+    elif top_mb[0] >= microbatches:
+        mb, rank, index = top_mb
+        raise error_at(
+            rank, index, f"micro-batch {mb} is outside 0..{microbatches - 1} ('microbatches' is {microbatches})"
+        )
+    if stages % pipelines:
+        raise PipecSyntaxError(
+            f"{where}: {stages} stages do not split into {pipelines} pipelines (copies of the model) of equal length"
+        )
+    length = stages // pipelines  # each micro-batch passes one copy's stages
+    if microbatches * length > compute:
+        # A complete step runs every micro-batch on every stage: M x S forwards at least. Past that the file is
+        # incomplete anyway, and refusing it keeps everything sized from M x S (the verifier's and the
+        # simulator's tables) linear in the file.
+        why = "a complete step runs every micro-batch on every stage" + (" of its copy" if pipelines > 1 else "")
+        if declared:
+            per = "'stages'" if pipelines == 1 else "'stages' / 'pipelines'"
+            raise PipecSyntaxError(
+                f"{where}: invalid pipec stream file: 'microbatches' x {per} = {microbatches * length} is more "
+                f"than the {compute} compute actions in 'streams' ({why})"
+            )
+        mb, rank, index = top_mb
+        raise error_at(
+            rank,
+            index,
+            f"micro-batch {mb} is too large: with {length} stage(s) per micro-batch and {compute} compute actions in "
+            f"the file, micro-batches must be below {compute // length} ({why})"
+            if pipelines > 1
+            else f"micro-batch {mb} is too large: with {stages} stage(s) and {compute} compute actions in the file, "
+            f"micro-batches must be below {compute // stages} ({why})",
+        )
+    return microbatches
+
+
+def _routes_of(
+    streams: Sequence[Sequence[Instruction]], length: int, microbatches: int, error_at: ErrorAt
+) -> tuple[int, ...]:
+    """Each micro-batch's copy, read from the ops: the copy (stages c*L .. c*L + L-1) of the first op naming it,
+    in rank and stream order; an op of it at another copy's stage is refused, named. A micro-batch no op names
+    goes through copy 0 (the structure pass then reports its missing ops)."""
+    found: dict[int, tuple[int, int, int, Instruction]] = {}  # mb -> (copy, rank, index, op)
+    for rank, stream in enumerate(streams):
+        for index, instruction in enumerate(stream):
+            for action in instruction.parts:
+                stage, kind, mb = action
+                if kind is Kind.SYNC:
+                    continue
+                copy = stage // length
+                first = found.setdefault(mb, (copy, rank, index, action))
+                if first[0] != copy:
+                    other, at_rank, at_index, op = first
+                    raise error_at(
+                        rank,
+                        index,
+                        f"{action} leaves micro-batch {mb}'s copy: its first op, {op} (rank {at_rank} op {at_index}), "
+                        f"is at copy {other}'s stages {other * length}..{other * length + length - 1}; stage {stage} "
+                        f"is copy {copy}'s",
+                    )
+    return tuple(found[mb][0] if mb in found else 0 for mb in range(microbatches))

@@ -1,7 +1,9 @@
 """Text streams: one line per rank, `rank R: ` then the instructions as torch action strings.
 
 A line without send/recv instructions is also valid `.pipe` literal syntax for a hand-made schedule. A program
-with sync groups (``Program.sync_groups``) adds one line per group after the ranks, `sync G: STAGE STAGE ...`.
+with sync groups (``Program.sync_groups``) adds one line per group after the ranks, `sync G: STAGE STAGE ...`. A
+program of C > 1 pipelines (copies of the model, docs/design/replicated.md) starts with the line `pipelines C`;
+each micro-batch's copy is read from the stages its ops name.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from pipec.ir import Instruction, Program
 # enough that int() converts them; the number is then checked against the number of rank lines
 _HEAD = re.compile(r"\s*rank\s+([0-9]{1,100})\s*")
 _SYNC_HEAD = re.compile(r"\s*sync\s+([0-9]{1,100})\s*")
+_PIPELINES = re.compile(r"\s*pipelines\s+([0-9]{1,9})\s*")
 
 
 def dump_text(program: Program) -> str:
-    ranks = "".join(f"rank {rank}: {' '.join(map(str, stream))}\n" for rank, stream in enumerate(program.streams))
+    head = f"pipelines {program.pipelines}\n" if program.pipelines > 1 else ""  # one copy: the file as it was
+    ranks = head + "".join(f"rank {r}: {' '.join(map(str, stream))}\n" for r, stream in enumerate(program.streams))
     return ranks + "".join(f"sync {g}: {' '.join(map(str, stages))}\n" for g, stages in enumerate(program.sync_groups))
 
 
@@ -30,6 +34,7 @@ def load_text(text: str, where: str = "<text>", expected: Mapping[str, int | Non
     streams: dict[int, list[Instruction]] = {}
     group_lines: dict[int, int] = {}  # sync group -> its line number
     groups: dict[int, tuple[int, ...]] = {}
+    pipelines, pipelines_line = 1, 0
 
     def span(number: int, column: int = 1, width: int = 0) -> Span:
         line = lines[number - 1]
@@ -37,6 +42,16 @@ def load_text(text: str, where: str = "<text>", expected: Mapping[str, int | Non
 
     for number, line in enumerate(lines, 1):
         if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        copies = _PIPELINES.fullmatch(line)
+        if copies is not None:
+            if pipelines_line:
+                raise PipecSyntaxError(f"'pipelines' is given twice (first on line {pipelines_line})", span(number))
+            if rank_lines or group_lines:
+                raise PipecSyntaxError("'pipelines C' must come before the 'rank' lines", span(number))
+            pipelines, pipelines_line = int(copies[1]), number
+            if pipelines < 1:
+                raise PipecSyntaxError("'pipelines' must be at least 1", span(number))
             continue
         head, sep, body = line.partition(":")
         sync = _SYNC_HEAD.fullmatch(head)
@@ -100,5 +115,11 @@ def load_text(text: str, where: str = "<text>", expected: Mapping[str, int | Non
             )
     sync_groups = [groups[g] for g in range(len(groups))]
     return program_from_streams(
-        [streams[r] for r in range(ranks)], where, "text", expected or {}, error_at, sync_groups=sync_groups
+        [streams[r] for r in range(ranks)],
+        where,
+        "text",
+        expected or {},
+        error_at,
+        sync_groups=sync_groups,
+        pipelines=pipelines,
     )

@@ -22,6 +22,12 @@ from pipec.ir import Action, Instruction, Kind, Overlap, Program
 
 
 def dump_torch_csv(program: Program, with_comms: bool) -> str:
+    if program.pipelines > 1:  # before the sync groups: the copies are why this program has them
+        raise PipecInputError(
+            f"a torch CSV cannot carry a schedule of {program.pipelines} pipelines (copies of the model): torch's "
+            "runtime (_PipelineScheduleRuntime) holds one module per stage index and has no cross-stage all-reduce "
+            "to sum the copies' gradients; write --format text or json, or run it with `pipec run`"
+        )
     if program.sync_groups:
         raise PipecInputError(
             "a torch CSV cannot carry this program's sync groups (SYNC, the all-reduce of shared parameters' "

@@ -35,7 +35,17 @@ from functools import partial
 from typing import NamedTuple
 
 from pipec.errors import PipecInputError
-from pipec.ir import DEFAULT_INPUT_FRACTION, MEMORY_TOLERANCE, Action, Kind, Overlap, Program, activation_deltas
+from pipec.ir import (
+    DEFAULT_INPUT_FRACTION,
+    MEMORY_TOLERANCE,
+    Action,
+    ChainLinks,
+    Kind,
+    Overlap,
+    Program,
+    activation_deltas,
+    chain_links,
+)
 from pipec.limits import MAX_SECONDS, MAX_STEPS, check_sizes
 from pipec.p2p_rule import DEFAULT_DURATION, CostModel, pair_duration, receiving_ranks
 
@@ -147,7 +157,7 @@ class _Run:
     ranks: int
     n_mb: int
     where: tuple[int, ...]  # stage -> rank
-    last: int  # the last stage
+    links: ChainLinks  # per stage, whether its forward / backward hands on (pipec.ir.chain_links)
     rules: Rules
     back: Kind  # I when the rules split the backward, else B
     order: dict[Kind, int]  # tie-break rank of each kind the rules take
@@ -203,7 +213,8 @@ def _start_run(
     table = {k: [d] * (last + 1) for k, d in DEFAULT_DURATION.items()} if costs is None else costs.per_stage(last + 1)
     dur = {k: [Fraction(str(x)) for x in table[k]] for k in rules.takes}
     pair_row = costs.pair_per_stage(last + 1) if costs is not None and rules.overlap else None
-    forward_to, backward_to = receiving_ranks(where)
+    forward_to, backward_to = receiving_ranks(where, template.pipelines)
+    links = chain_links(last + 1, template.pipelines)
     delay = Fraction(str(costs.message_time)) if costs is not None else Fraction(0)
     post = Fraction(0) if costs is None or costs.overlap else delay
     # forward-only: each activation is freed once sent on (peak_activations' model), so memory never binds
@@ -219,7 +230,7 @@ def _start_run(
         for r, b in enumerate(limits)
     ]
     return _Run(
-        ranks, n_mb, where, last, rules, back, {k: i for i, k in enumerate(rules.takes)}, table, dur, pair_row,
+        ranks, n_mb, where, links, rules, back, {k: i for i, k in enumerate(rules.takes)}, table, dur, pair_row,
         forward_to, backward_to, delay, post, deltas, sizes, stages, work, limits, max_steps,
         fwd=[[0] * len(s) for s in stages],
         bwd=[[0] * len(s) for s in stages],
@@ -241,10 +252,11 @@ def _ready_at(run: _Run, rank: int, kind: Kind, stage: int, mb: int) -> Fraction
     done = run.done
     if kind is Kind.W:
         return done[(stage, "I", mb)]  # it is in the queue: its I ran on this rank
+    has_next, has_previous = run.links
     keys = (
-        ([(stage - 1, "F", mb)] if stage > 0 else [])
+        ([(stage - 1, "F", mb)] if has_previous[stage] else [])
         if kind is Kind.F
-        else ([(stage, "F", mb)] + ([(stage + 1, "G", mb)] if stage < run.last else []))
+        else ([(stage, "F", mb)] + ([(stage + 1, "G", mb)] if has_next[stage] else []))
     )
     at = Fraction(0)
     for key in keys:

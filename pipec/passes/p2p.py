@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipec.errors import PipecInputError
-from pipec.ir import Action, Instruction, Kind, Program
+from pipec.ir import Action, ChainLinks, Instruction, Kind, Program, chain_links
 from pipec.p2p_rule import (
     DEFAULT_DURATION,
     CostModel,
@@ -56,6 +56,9 @@ def insert_p2p_ops(program: Program, costs: CostModel | None = None) -> Program:
     default costs, F=1, B=2, I=1, W=1, messages free)."""
     if program.has_comms:
         raise PipecInputError("the program already has send/recv instructions")
+    routing = program.routing_problem()
+    if routing:
+        raise PipecInputError(routing)
     if costs is None or is_default(costs, program.num_stages):
         # the integer replay: the default costs are whole numbers, so keys pack into ints (the fast path, and the
         # placement every existing output was made with)
@@ -75,7 +78,7 @@ def _replay_default(program: Program) -> tuple[list[list[tuple]], dict, list[int
     # forward ran, G the input gradient exists (B or I ran), I the I ran (W may run). Value: when it ends.
     done: dict[tuple[int, str, int], int] = {}
     # per stage, the rank its output goes to (forward: stage + 1, backward: stage - 1), None at the ends
-    forward_to, backward_to = receiving_ranks(where)
+    forward_to, backward_to = receiving_ranks(where, program.pipelines)
     duration = DEFAULT_DURATION
     new = tuple.__new__  # builds an Action without the NamedTuple's Python-level __new__ (800k of them at scale)
     f, b, i_ = Kind.F, Kind.B, Kind.I
@@ -121,7 +124,7 @@ def _replay_default(program: Program) -> tuple[list[list[tuple]], dict, list[int
         return made
 
     free = [0] * ranks
-    position = _run_list(streams, last, where, done, free, run)
+    position = _run_list(streams, chain_links(last + 1, program.pipelines), where, done, free, run)
     return items, done, position
 
 
@@ -145,7 +148,7 @@ def _replay_timed(program: Program, costs: CostModel) -> tuple[list[list[tuple]]
     delay = costs.message_time
     post = 0.0 if costs.overlap else delay
     done: dict[tuple[int, str, int], tuple[float, int]] = {}
-    forward_to, backward_to = receiving_ranks(where)
+    forward_to, backward_to = receiving_ranks(where, program.pipelines)
     new = tuple.__new__
     f, b, i_ = Kind.F, Kind.B, Kind.I
     send_f, recv_f, send_b, recv_b = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
@@ -195,13 +198,13 @@ def _replay_timed(program: Program, costs: CostModel) -> tuple[list[list[tuple]]
         free[rank] = (end[0] + post * sends, end[1]) if sends and post else end
         return made
 
-    position = _run_list(streams, last, where, done, free, run, delay)
+    position = _run_list(streams, chain_links(last + 1, program.pipelines), where, done, free, run, delay)
     return items, done, position
 
 
 def _run_list(
     streams: Sequence[Sequence[Instruction]],
-    last: int,
+    links: ChainLinks,
     where: Sequence[int],
     done: dict,
     free: list,
@@ -213,6 +216,8 @@ def _run_list(
     it made); one that waits registers on its first missing key and is woken when that key is made, so start
     times do not depend on the order ranks are visited in. An input made on another rank arrives `delay` later.
     Returns how far each rank got (its whole stream unless the compute order cannot run)."""
+    has_next, has_previous = links
+    stages = len(has_next)
     position = [0] * len(streams)
     waiting: dict[tuple[int, str, int], list[int]] = {}
     ready = list(range(len(streams)))
@@ -223,12 +228,12 @@ def _run_list(
             instruction = stream[k]
             start = free[rank]
             missing = None
-            for key in _needs(instruction, last):
+            for key in _needs(instruction, has_next, has_previous):
                 when = done.get(key)
                 if when is None:
                     missing = key
                     break
-                if delay and 0 <= key[0] <= last and where[key[0]] != rank:
+                if delay and 0 <= key[0] < stages and where[key[0]] != rank:
                     when = (when[0] + delay, when[1])  # it crosses ranks: it arrives message_time later
                 if when > start:
                     start = when
@@ -248,7 +253,7 @@ def _place(program: Program, items: list[list[tuple]], done: dict, position: lis
     """Each rank's stream: its timed items sorted by key, then the part the replay could not run by the plain
     rule."""
     where = program.stage_to_rank
-    last = program.num_stages - 1
+    links = chain_links(program.num_stages, program.pipelines)
     streams = program.streams
     out: list[list[Instruction]] = []
     for rank, rank_items in enumerate(items):
@@ -257,35 +262,38 @@ def _place(program: Program, items: list[list[tuple]], done: dict, position: lis
         # The replay stopped early only if the compute order cannot run: place the rest by the plain rule.
         for instruction in streams[rank][position[rank] :]:
             for action in instruction.parts:
-                receive = remote_input(action, rank, where, last)
+                receive = remote_input(action, rank, where, links)
                 if receive is not None and _producer(action) not in done:
                     placed.append(receive)
             placed.append(instruction)
             for action in instruction.parts:
-                message = remote_output(action, rank, where, last)
+                message = remote_output(action, rank, where, links)
                 if message is not None:
                     placed.append(message[0])
         out.append(placed)
     return program.with_streams(tuple(tuple(s) for s in out), has_comms=True)
 
 
-def _needs(instruction: Instruction, last: int) -> tuple[tuple[int, str, int], ...]:
-    """The keys that must be done before the instruction runs (see `done` in insert_p2p_ops)."""
+def _needs(
+    instruction: Instruction, has_next: Sequence[bool], has_previous: Sequence[bool]
+) -> tuple[tuple[int, str, int], ...]:
+    """The keys that must be done before the instruction runs (see `done` in insert_p2p_ops); the chain's ends
+    are pipec.ir.chain_links' (a copy's first stage needs no activation, its last no gradient)."""
     if type(instruction) is Action:  # the common case, without building a list
         stage, kind, mb = instruction
         if kind is Kind.F:
-            return ((stage - 1, "F", mb),) if stage > 0 else ()
+            return ((stage - 1, "F", mb),) if has_previous[stage] else ()
         if kind is Kind.B or kind is Kind.I:
-            return ((stage, "F", mb), (stage + 1, "G", mb)) if stage < last else ((stage, "F", mb),)
+            return ((stage, "F", mb), (stage + 1, "G", mb)) if has_next[stage] else ((stage, "F", mb),)
         return ((stage, "I", mb),) if kind is Kind.W else ()
     out = []
     for stage, kind, mb in instruction.parts:
         if kind is Kind.F:
-            if stage > 0:
+            if has_previous[stage]:
                 out.append((stage - 1, "F", mb))
         elif kind is Kind.B or kind is Kind.I:
             out.append((stage, "F", mb))
-            if stage < last:
+            if has_next[stage]:
                 out.append((stage + 1, "G", mb))
         elif kind is Kind.W:
             out.append((stage, "I", mb))

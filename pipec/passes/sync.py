@@ -60,6 +60,19 @@ def insert_syncs(program: Program, groups: Sequence[Sequence[int]]) -> Program:
     return _with_syncs(program, tuple(streams), checked)
 
 
+def program_groups(num_stages: int, pipelines: int, ties: Sequence[Sequence[int]] = ()) -> SyncGroups:
+    """The sync groups of a program of ``pipelines`` copies (docs/design/replicated.md section 3), one per shared
+    parameter set: **a group is the set of stages that hold one parameter**, so that the groups partition the
+    parameters and none is summed twice. ``ties``: groups of one copy's stages (0..L-1, L = num_stages //
+    pipelines) sharing a parameter (tied embeddings: (0, L-1)); each is lifted to every copy (stage s of copy c is
+    c*L + s). Each logical stage l then gets the group of its copies, (l, L+l, ..., (C-1)L+l), for its parameters
+    that no tie shares. With one copy: the ties themselves. Sorted, so that every caller numbers them alike."""
+    length = num_stages // pipelines
+    lifted = [tuple(sorted(c * length + s for c in range(pipelines) for s in tie)) for tie in ties]
+    copies = [tuple(c * length + s for c in range(pipelines)) for s in range(length)] if pipelines > 1 else []
+    return tuple(sorted(set(lifted) | set(copies)))
+
+
 def check_groups(groups: Sequence[Sequence[int]], stages: int) -> SyncGroups:
     """The groups as tuples, or PipecInputError naming what is wrong with one."""
     out = []

@@ -24,7 +24,8 @@ def run_hosts(run: Run, record: bool) -> None:
     start_tagged, start_in_order, advance_stream = batch_steps(run, record)
     run_pair = pair_runner(run)
     run_sync = sync_runner(run)
-    program, streams, where, S, n_mb = run.program, run.streams, run.where, run.S, run.n_mb  # noqa: N806
+    program, streams, where, n_mb = run.program, run.streams, run.where, run.n_mb
+    has_next, has_previous = run.has_next, run.has_previous  # where each copy's chain ends (pipec.ir.chain_links)
     tagged, joined, post_cost = run.tagged, run.joined, run.post_cost
     d_f, d_b, d_i, d_w = run.d_f, run.d_b, run.d_i, run.d_w
     forward_done, grad_done, input_done, recv_batch = run.forward_done, run.grad_done, run.input_done, run.recv_batch
@@ -146,11 +147,11 @@ def run_hosts(run: Run, record: bool) -> None:
                 start = t
                 index = stage * n_mb + mb
                 if kind is k_f:
-                    message = ((stage - 1) * n_mb + mb) * 2 if stage > 0 and where[stage - 1] != rank else -1
+                    message = ((stage - 1) * n_mb + mb) * 2 if has_previous[stage] and where[stage - 1] != rank else -1
                 elif kind is k_w:
                     message = -1
                 else:
-                    message = ((stage + 1) * n_mb + mb) * 2 + 1 if stage < S - 1 and where[stage + 1] != rank else -1
+                    message = ((stage + 1) * n_mb + mb) * 2 + 1 if has_next[stage] and where[stage + 1] != rank else -1
                 if message >= 0:
                     b = recv_batch[message]
                     if b < 0 or b_rank[b] != rank:
@@ -160,7 +161,7 @@ def run_hosts(run: Run, record: bool) -> None:
                     if b_done[b] > start:
                         start = b_done[b]
                 if kind is k_f:
-                    if stage > 0 and not 0 <= forward_done[index - n_mb] <= start:
+                    if has_previous[stage] and not 0 <= forward_done[index - n_mb] <= start:
                         early(instruction, rank, pos, f"the forward of stage {stage - 1}")
                     end_time = start + d_f[stage]
                     forward_done[index] = end_time
@@ -172,7 +173,7 @@ def run_hosts(run: Run, record: bool) -> None:
                 else:
                     if not 0 <= forward_done[index] <= start:
                         early(instruction, rank, pos, f"its forward {Action(stage, Kind.F, mb)}")
-                    if stage < S - 1 and not 0 <= grad_done[index + n_mb] <= start:
+                    if has_next[stage] and not 0 <= grad_done[index + n_mb] <= start:
                         early(instruction, rank, pos, f"the backward of stage {stage + 1}")
                     if kind is k_i:
                         end_time = input_done[index] = start + d_i[stage]

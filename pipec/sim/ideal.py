@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 
 from pipec.errors import ScheduleError
-from pipec.ir import Action, Kind, Program
+from pipec.ir import Action, Kind, Program, chain_links
 from pipec.p2p_rule import pair_duration, remote_output
 from pipec.sim.costs import Costs
 from pipec.sim.refusals import misplaced
@@ -41,7 +41,7 @@ def simulate_dataflow(
     k_f, k_w, k_i = Kind.F, Kind.W, Kind.I
     d_f, d_b, d_i, d_w = (durations[k] for k in (Kind.F, Kind.B, Kind.I, Kind.W))
     d_fb = costs.pair_per_stage(stages)  # an overlapped pair's own duration (None: the sum of its halves)
-    last = stages - 1
+    has_next, has_previous = chain_links(stages, program.pipelines)
 
     while ready:
         rank = ready.popleft()
@@ -57,13 +57,13 @@ def simulate_dataflow(
                     misplaced(program, rank, pos, instruction, Action(stage, kind, mb))
                 base = (stage * n_mb + mb) * 2
                 if kind is k_f:
-                    needs = (base - 2 * n_mb,) if stage > 0 else ()
+                    needs = (base - 2 * n_mb,) if has_previous[stage] else ()
                     end += d_f[stage]
                 elif kind is k_w:
                     needs = (base + 1,)
                     end += d_w[stage]
                 else:
-                    needs = (base, base + 2 * n_mb + 1) if stage < last else (base,)
+                    needs = (base, base + 2 * n_mb + 1) if has_next[stage] else (base,)
                     end += d_i[stage] if kind is k_i else d_b[stage]
                 for key in needs:
                     when = done[key]
@@ -115,6 +115,7 @@ def simulate_dataflow(
     # followed by its W and no W without its I
     forwards, grads = done[0::2], done[1::2]
     sound = not unsound and min(forwards, default=0.0) >= 0 and 1 not in split and 3 not in split
+    sound = sound and program.pipelines == 1  # a micro-batch runs its copy's stages only: the structure pass's
     if program.forward_only:
         sound = sound and max(grads, default=-1.0) < 0
     else:
@@ -137,12 +138,12 @@ def simulate_dataflow(
 def _ideal_messages(program: Program, timeline: list[list[TimedOp]], delay: float) -> tuple[Message, ...]:
     """The ideal model's messages, for pictures and traces: one per value a compute op hands to another rank, sent
     when the op ends and arriving ``delay`` later."""
-    where, last = program.stage_to_rank, program.num_stages - 1
+    where, links = program.stage_to_rank, chain_links(program.num_stages, program.pipelines)
     messages = []
     for rank, line in enumerate(timeline):
         for op in line:
             for action in op.instruction.parts:
-                message = remote_output(action, rank, where, last)
+                message = remote_output(action, rank, where, links)
                 if message is not None:
                     send, peer, recv = message
                     messages.append(Message(send, recv, rank, peer, op.end, op.end + delay))

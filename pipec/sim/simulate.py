@@ -69,6 +69,9 @@ def simulate(
     """
     if p2p not in P2P_MODELS:
         raise PipecInputError(f"unknown p2p model {p2p!r}; expected one of {', '.join(P2P_MODELS)}")
+    routing = program.routing_problem()
+    if routing:
+        raise PipecInputError(routing)
 
     def simulation() -> tuple[SimResult, bool]:
         placed = program

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from pipec.ir import Kind, Program
+from pipec.ir import Kind, Program, chain_links
 from pipec.passes.sync import member_ranks
 from pipec.sim.costs import Costs
 from pipec.sim.result import Message, SimResult, TimedOp, peaks_of
@@ -70,10 +70,17 @@ class Run:
         # Indexed with stage + 1 for RECV_B and stage - 1 for RECV_F; index -1 and S hit the sentinel -1 entries.
         # Pairs are numbered densely (pair_ids: src * P + dst -> number) as the stage boundaries name them: at most
         # 2 S of them, where lists over all P * P ordered pairs would be quadratic (20,000 ranks: 4 * 10^8 lists).
+        # A copy's chain ends (pipec.ir.chain_links) send nothing on: -1 there too.
         self.pair_ids = pair_ids = {}
-        self.fwd_pair = [pair_ids.setdefault(where[s] * P + where[s + 1], len(pair_ids)) for s in range(S - 1)]
-        self.fwd_pair += [-1, -1]
-        self.bwd_pair = [-1] + [pair_ids.setdefault(where[s] * P + where[s - 1], len(pair_ids)) for s in range(1, S)]
+        self.has_next, self.has_previous = has_next, has_previous = chain_links(S, program.pipelines)
+        self.fwd_pair = [
+            pair_ids.setdefault(where[s] * P + where[s + 1], len(pair_ids)) if has_next[s] else -1 for s in range(S)
+        ]
+        self.fwd_pair += [-1]
+        self.bwd_pair = [
+            pair_ids.setdefault(where[s] * P + where[s - 1], len(pair_ids)) if has_previous[s] else -1
+            for s in range(S)
+        ]
         self.bwd_pair += [-1]
         # nccl: per ordered pair (its number), the running sends and receives in issue order; tagged: per message.
         # An entry: (start time of its batch, message, rank, stream position, batch).
@@ -115,6 +122,8 @@ class Run:
         duplicated or on the wrong pair. False whenever any of this fails, even if the program is sound after all
         (an overlapped pair of another shape): the caller then asks the structure pass."""
         program, input_done = self.program, self.input_done
+        if program.pipelines > 1:
+            return False  # each micro-batch runs at its copy's stages only: the routes are the structure pass's
         values = self.S * self.n_mb
         if min(self.forward_done, default=0.0) < 0 or max(input_done, default=-1.0) >= 0 or self.odd_pairs:
             return False  # a forward never run, an I without its W, or a pair to leave to the structure pass

@@ -172,7 +172,8 @@ def sync_runner(run: Run) -> Callable[[int, int, Action, float], float]:
 
 def pair_runner(run: Run) -> Callable[[int, int, Overlap, float], tuple[float, float]]:
     """The step running an overlapped pair, bound to ``run``'s arrays."""
-    program, where, S, n_mb = run.program, run.where, run.S, run.n_mb  # noqa: N806
+    program, where, n_mb = run.program, run.where, run.n_mb
+    has_next, has_previous = run.has_next, run.has_previous  # where each copy's chain ends (pipec.ir.chain_links)
     d_f, d_b, d_i, d_w, d_fb, durations = run.d_f, run.d_b, run.d_i, run.d_w, run.d_fb, run.durations
     forward_done, grad_done, input_done, recv_batch = run.forward_done, run.grad_done, run.input_done, run.recv_batch
     b_rank, b_start, b_done, b_missing = run.b_rank, run.b_start, run.b_done, run.b_missing
@@ -194,11 +195,11 @@ def pair_runner(run: Run) -> Callable[[int, int, Overlap, float], tuple[float, f
         start = t
         for stage, kind, mb in parts:  # the message feeding each half (pipec.p2p_rule's id, inlined), if remote
             if kind is k_f:
-                message = ((stage - 1) * n_mb + mb) * 2 if stage > 0 and where[stage - 1] != rank else -1
+                message = ((stage - 1) * n_mb + mb) * 2 if has_previous[stage] and where[stage - 1] != rank else -1
             elif kind is k_w:
                 message = -1
             else:
-                message = ((stage + 1) * n_mb + mb) * 2 + 1 if stage < S - 1 and where[stage + 1] != rank else -1
+                message = ((stage + 1) * n_mb + mb) * 2 + 1 if has_next[stage] and where[stage + 1] != rank else -1
             if message >= 0:
                 b = recv_batch[message]
                 if b < 0 or b_rank[b] != rank:
@@ -211,7 +212,7 @@ def pair_runner(run: Run) -> Callable[[int, int, Overlap, float], tuple[float, f
         for stage, kind, mb in parts:
             index = stage * n_mb + mb
             if kind is k_f:
-                if stage > 0 and not 0 <= forward_done[index - n_mb] <= start:
+                if has_previous[stage] and not 0 <= forward_done[index - n_mb] <= start:
                     early(instruction, rank, pos, f"the forward of stage {stage - 1}")
                 end_time += d_f[stage]
             elif kind is k_w:
@@ -221,7 +222,7 @@ def pair_runner(run: Run) -> Callable[[int, int, Overlap, float], tuple[float, f
             else:
                 if not 0 <= forward_done[index] <= start:
                     early(instruction, rank, pos, f"its forward {Action(stage, Kind.F, mb)}")
-                if stage < S - 1 and not 0 <= grad_done[index + n_mb] <= start:
+                if has_next[stage] and not 0 <= grad_done[index + n_mb] <= start:
                     early(instruction, rank, pos, f"the backward of stage {stage + 1}")
                 end_time += d_i[stage] if kind is k_i else d_b[stage]
         if d_fb is not None:

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from hypothesis import strategies as st
 
-from pipec.ir import Action, Instruction, Kind, Program, loop_placement, v_placement
+from pipec.ir import Action, Instruction, Kind, Program, chain_links, loop_placement, v_placement
 from pipec.p2p_rule import consumers, producers, remote_input, remote_output
 from pipec.passes.p2p import insert_p2p_ops
 
@@ -93,14 +93,14 @@ def valid_programs(draw, max_ranks: int = 4, max_microbatches: int = 5, max_chun
 
 def naive_lowering(program: Program) -> Program:
     """Receives right before their consumer, sends right after their producer (deadlocks under nccl often)."""
-    where, last = program.stage_to_rank, program.num_stages - 1
+    where, links = program.stage_to_rank, chain_links(program.num_stages, program.pipelines)
     streams = []
     for rank, stream in enumerate(program.streams):
         out: list[Instruction] = []
         for instruction in stream:
             after = []
             for action in instruction.parts:
-                receive, message = remote_input(action, rank, where, last), remote_output(action, rank, where, last)
+                receive, message = remote_input(action, rank, where, links), remote_output(action, rank, where, links)
                 if receive is not None:
                     out.append(receive)
                 if message is not None:

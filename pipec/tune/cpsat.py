@@ -46,6 +46,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
+from pipec.errors import PipecInputError
 from pipec.ir import MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas
 from pipec.sim.costs import Costs
 
@@ -102,6 +103,8 @@ class _Instance:
         input_fraction: float,
         stage_sizes: Sequence[float] | None,
     ) -> None:
+        if template.pipelines != 1:  # its chains (chain, chain_to) and counters run every micro-batch down one chain
+            raise PipecInputError("the CP-SAT model orders one pipeline; it has no routes for replicated copies")
         self.template = template
         self.ranks, self.n_mb = template.ranks, template.microbatches
         self.where = template.stage_to_rank

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
-from pipec.errors import PipecError
+from pipec.errors import PipecError, PipecInputError
 from pipec.ir import MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas, loop_placement, v_placement
 from pipec.sim.simulate import simulate
 
@@ -138,6 +138,8 @@ class _Search:
         max_nodes: int,
         model: str,
     ) -> None:
+        if template.pipelines != 1:  # its counters run every micro-batch down one chain
+            raise PipecInputError("the exact search orders one pipeline; it has no routes for replicated copies")
         self.template, self.costs, self.model = template, costs, model
         self.ranks, self.n_mb = template.ranks, template.microbatches
         self.where = template.stage_to_rank

@@ -110,6 +110,9 @@ def _verify(
         raise PipecInputError(f"unknown p2p model {p2p!r}; expected one of: {', '.join(MODELS)}")
     if memory_limit is not None and memory_limit < 0:
         raise PipecInputError(f"the memory limit must not be negative, got {memory_limit:g}")
+    routing = program.routing_problem()
+    if routing:
+        raise PipecInputError(routing)
     sizes = validate_memory_model(program, input_fraction, stage_sizes)
     flat = flatten(program, input_fraction, sizes, batched=batched(p2p))  # the int form every pass shares
     verdicts = [Verdict("structure", *_ok(check_structure(program, flat)))]

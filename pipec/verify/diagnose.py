@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipec.errors import Span
-from pipec.ir import Action, Instruction, Kind, Program
+from pipec.ir import Action, ChainLinks, Instruction, Kind, Program, chain_links
 from pipec.verify.deadlock import ComputeRun, StreamRun, run_compute_orders
 from pipec.verify.diagnose_streams import Diagnosis, stream_diagnosis
 
@@ -87,14 +87,16 @@ def diagnose(program: Program, run: ComputeRun | StreamRun, placed: bool | None 
 # ---- the compute orders ------------------------------------------------------------------------------------------
 
 
-def _inputs(action: Action, last: int) -> list[tuple[int, tuple[Kind, ...], int]]:
-    """(stage, kinds, micro-batch) of what an op reads: any one of the kinds serves."""
+def _inputs(action: Action, links: ChainLinks) -> list[tuple[int, tuple[Kind, ...], int]]:
+    """(stage, kinds, micro-batch) of what an op reads: any one of the kinds serves (``links``: where each copy's
+    chain ends, pipec.ir.chain_links)."""
     stage, kind, mb = action
+    has_next, has_previous = links
     if kind is Kind.F:
-        return [(stage - 1, (Kind.F,), mb)] if stage > 0 else []
+        return [(stage - 1, (Kind.F,), mb)] if has_previous[stage] else []
     if kind in _BACKWARD:
         found = [(stage, (Kind.F,), mb)]
-        if stage < last:
+        if has_next[stage]:
             found.append((stage + 1, _BACKWARD, mb))
         return found
     if kind is Kind.W:
@@ -102,10 +104,10 @@ def _inputs(action: Action, last: int) -> list[tuple[int, tuple[Kind, ...], int]
     return []
 
 
-def _halves(waiting: Instruction, needed: Instruction, last: int) -> tuple[Action, Action]:
+def _halves(waiting: Instruction, needed: Instruction, links: ChainLinks) -> tuple[Action, Action]:
     """The half of `waiting` that reads a half of `needed` (an overlapped pair is one instruction of two ops)."""
     for action in waiting.parts:
-        for stage, kinds, mb in _inputs(action, last):
+        for stage, kinds, mb in _inputs(action, links):
             for other in needed.parts:
                 if other.stage == stage and other.mb == mb and other.kind in kinds:
                     return action, other
@@ -113,10 +115,10 @@ def _halves(waiting: Instruction, needed: Instruction, last: int) -> tuple[Actio
 
 
 def _links(orders: Program, run: ComputeRun) -> dict[int, Link]:
-    last = orders.num_stages - 1
+    chain = chain_links(orders.num_stages, orders.pipelines)
     links = {}
     for rank, (peer, _, needs, at) in run.blocked.items():
-        waiting, needed = _halves(orders.streams[rank][at], orders.streams[peer][needs], last)
+        waiting, needed = _halves(orders.streams[rank][at], orders.streams[peer][needs], chain)
         links[rank] = Link(rank, at, waiting, peer, needs, needed)
     return links
 

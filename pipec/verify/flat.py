@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from pipec.ir import Action, Kind, Program
+from pipec.ir import Action, Kind, Program, chain_links
 from pipec.p2p_rule import counterpart, receive_for
 
 F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B = range(8)  # noqa: E741 - the op names used everywhere else
@@ -126,6 +126,7 @@ def flatten(
     streams = program.streams
     mbs = mbs or max(program.microbatches, 1)
     placement, last = program.stage_to_rank, program.num_stages - 1
+    has_next, has_previous = chain_links(program.num_stages, program.pipelines)  # where each copy's chain ends
     check_local = program.has_comms
     step = mbs * 8
     deltas = (1.0, -1.0, -input_fraction, input_fraction - 1.0)  # F, B, I, W; see verify.memory
@@ -194,17 +195,17 @@ def flatten(
                     comm_keys.append(key)
                     # the channel: pipec.p2p_rule.peer_of, inlined (tests/verify/test_verify_rule.py checks it)
                     if code == SEND_F:
-                        if in_range and stage < last:
+                        if in_range and has_next[stage]:
                             sends[placement[stage + 1]].append((index, key))
                     elif code == RECV_F:
-                        if in_range and stage > 0:
+                        if in_range and has_previous[stage]:
                             recvs[placement[stage - 1]].append((index, key))
                         continue
                     elif code == SEND_B:
-                        if in_range and stage > 0:
+                        if in_range and has_previous[stage]:
                             sends[placement[stage - 1]].append((index, key))
                     else:
-                        if in_range and stage < last:
+                        if in_range and has_next[stage]:
                             recvs[placement[stage + 1]].append((index, key))
                         continue
                 elif stage_sizes is None:
@@ -220,7 +221,7 @@ def flatten(
                 elif code == SEND_B:
                     need = (base + B, base + I)
                 elif code == F:
-                    if stage == 0:
+                    if not has_previous[stage]:
                         continue
                     need = (base - step + F,) if placement[stage - 1] == rank else (base + RECV_F,)
                 elif code == W:
@@ -229,7 +230,7 @@ def flatten(
                     hit = where.get(base + F)
                     if hit is None or hit[0] != rank or hit[1] >= unit_start:
                         local.append((rank, index, (base + F,)))
-                    if stage == last:
+                    if not has_next[stage]:
                         continue
                     need = (base + step + B, base + step + I) if placement[stage + 1] == rank else (base + RECV_B,)
                 for wanted in need:

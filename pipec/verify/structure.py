@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from itertools import pairwise
 
-from pipec.ir import Action, Instruction, Kind, Program
+from pipec.ir import Action, Instruction, Kind, Program, chain_links
 from pipec.passes.sync import member_ranks, sync_stage
 from pipec.verify.flat import RECV_B, RECV_F, SEND_B, SEND_F, B, F, Flat, I, W, flatten
 
@@ -19,6 +19,9 @@ _MAX_REPORTED = 12
 
 
 def check_structure(program: Program, flat: Flat | None = None) -> list[str]:
+    routing = program.routing_problem()
+    if routing:  # the stages of each micro-batch are not known: nothing below can be judged
+        return [routing]
     flat = flat or flatten(program)
     found = _Found(program)
     placement, stages, mbs = program.stage_to_rank, program.num_stages, program.microbatches
@@ -36,6 +39,8 @@ def check_structure(program: Program, flat: Flat | None = None) -> list[str]:
                 found.other.append(
                     f"rank {rank} op {index} {action}: stage {stage} lives on rank {placement[stage]}, not {rank}"
                 )
+    if program.pipelines > 1:
+        found.other.extend(_off_route(program))
     for key, n in flat.duplicates.items():
         rank, index = flat.where[key]
         found.other.append(f"{flat.decode(key)} appears {n} times (first on rank {rank} at op {index})")
@@ -49,6 +54,25 @@ def check_structure(program: Program, flat: Flat | None = None) -> list[str]:
     if program.sync_groups or any(flat.syncs):
         found.other.extend(_syncs(program, flat))
     return found.render()
+
+
+def _off_route(program: Program) -> list[str]:
+    """Each op of micro-batch m at a stage of copy routes[m]: an op elsewhere names both copies."""
+    length, mbs, stages = program.stages_per_pipeline, program.microbatches, program.num_stages
+    out = []
+    for rank, stream in enumerate(program.streams):
+        for index, action in _actions(stream):
+            stage, _, mb = action
+            if not (0 <= stage < stages and 0 <= mb < mbs):
+                continue  # out of range: said above
+            copy, route = stage // length, program.route_of(mb)
+            if copy != route:
+                first = route * length
+                out.append(
+                    f"rank {rank} op {index} {action}: micro-batch {mb} goes through copy {route} (stages "
+                    f"{first}..{first + length - 1}); stage {stage} is copy {copy}'s"
+                )
+    return out
 
 
 def _syncs(program: Program, flat: Flat) -> list[str]:
@@ -211,8 +235,10 @@ def _actions(stream: tuple[Instruction, ...]) -> list[tuple[int, Action]]:
 
 def _complete_at_a_glance(program: Program, flat: Flat) -> bool:
     """Set arithmetic over the keys (fast); when it fails, _completeness says what is wrong, pair by pair."""
-    where = flat.where  # every stage and micro-batch is in range and no key repeats (checked before this)
-    pairs = program.num_stages * program.microbatches
+    # every stage and micro-batch is in range, each op at its micro-batch's copy and no key repeats (checked
+    # before this): each micro-batch has one copy's stages
+    where = flat.where
+    pairs = program.stages_per_pipeline * program.microbatches
     by_kind: list[set[int]] = [set(), set(), set(), set()]
     for kind in (F, B, I, W):
         by_kind[kind] = {k >> 3 for k in where if k & 7 == kind}
@@ -230,7 +256,10 @@ def _completeness(program: Program, flat: Flat, found: _Found) -> None:
     where, key, name = flat.where, flat.key, flat.decode
     missing = found.missing
     for stage in range(program.num_stages):
+        copy = program.pipeline_of(stage)
         for mb in range(program.microbatches):
+            if program.route_of(mb) != copy:
+                continue  # micro-batch mb does not pass this stage (_off_route names any op of it here)
             f, b, i, w = (key(stage, code, mb) for code in (F, B, I, W))
             if f not in where:
                 missing.setdefault((stage, "forward"), []).append(name(f))
@@ -267,9 +296,18 @@ def _comms_at_a_glance(program: Program, flat: Flat) -> bool:
     if program.forward_only and any(k & 7 >= SEND_B for k in keys):
         return False
     # each pair is a distinct edge between stages on different ranks; as many as there are such edges: all there
-    placement, last = program.stage_to_rank, program.num_stages - 1
-    boundaries = sum(1 for stage in range(last) if placement[stage] != placement[stage + 1])
-    return len(keys) == 2 * boundaries * program.microbatches * (1 if program.forward_only else 2)
+    return len(keys) == 2 * _messages(program)
+
+
+def _messages(program: Program) -> int:
+    """How many messages the step sends: per micro-batch, one per rank boundary of its copy's chain (two with the
+    backward's)."""
+    placement, has_next = program.stage_to_rank, chain_links(program.num_stages, program.pipelines)[0]
+    crossing = [has_next[s] and placement[s] != placement[s + 1] for s in range(program.num_stages)]
+    length = program.stages_per_pipeline
+    per_copy = [sum(crossing[c * length : (c + 1) * length]) for c in range(program.pipelines)]
+    routed = sum(per_copy[program.route_of(mb)] for mb in range(program.microbatches))
+    return routed * (1 if program.forward_only else 2)
 
 
 def _comms(program: Program, flat: Flat) -> list[str]:
@@ -277,6 +315,7 @@ def _comms(program: Program, flat: Flat) -> list[str]:
     out: list[str] = []
     where, count, name = flat.where, flat.duplicates, flat.decode
     placement, last, step = program.stage_to_rank, program.num_stages - 1, flat.mbs * 8
+    length = program.stages_per_pipeline
     # SEND_F(s, m) <-> RECV_F(s+1, m): key + step + 1; SEND_B(s, m) <-> RECV_B(s-1, m): key - step + 1
     partner_offset = {SEND_F: step + 1, RECV_F: -step - 1, SEND_B: -step + 1, RECV_B: step - 1}
     stage_offset = {SEND_F: 1, RECV_F: -1, SEND_B: -1, RECV_B: 1}
@@ -285,22 +324,23 @@ def _comms(program: Program, flat: Flat) -> list[str]:
         stage = (key >> 3) // flat.mbs
         peer_stage = stage + stage_offset[code]
         partner = key + partner_offset[code]
-        if not 0 <= peer_stage <= last or partner not in where or count.get(key, 1) != count.get(partner, 1):
+        in_chain = 0 <= peer_stage <= last and peer_stage // length == stage // length  # not past a copy's end
+        if not in_chain or partner not in where or count.get(key, 1) != count.get(partner, 1):
             out.append(f"{name(key)} has no matching {_text(peer_stage, partner, flat)}")
         elif stage <= last and placement[stage] == placement[peer_stage]:
             out.append(
                 f"{name(key)}: stages {stage} and {peer_stage} both live on rank {placement[stage]}, "
                 "so nothing is sent between them"
             )
-    boundaries = sum(1 for stage in range(last) if placement[stage] != placement[stage + 1])
-    messages = boundaries * program.microbatches * (1 if program.forward_only else 2)
-    if not out and not flat.duplicates and len(flat.comm_keys) == 2 * messages:
+    if not out and not flat.duplicates and len(flat.comm_keys) == 2 * _messages(program):
         return out  # every send/recv is paired and there are as many as edges between ranks: none is missing
     key = flat.key
     for stage in range(last):
-        if placement[stage] == placement[stage + 1]:
+        if placement[stage] == placement[stage + 1] or (stage + 1) % length == 0:
             continue
         for mb in range(program.microbatches):
+            if program.route_of(mb) != stage // length:
+                continue
             send, recv = key(stage, SEND_F, mb), key(stage + 1, RECV_F, mb)
             if key(stage + 1, F, mb) in where and send not in where and recv not in where:
                 out.append(

@@ -22,15 +22,11 @@ from __future__ import annotations
 import gzip
 import json
 
+from deepseek_orders import reference as recorded_orders
 from paths import TESTS
 
 import pipec
 from pipec.ir import Action, Instruction
-
-
-def _reference(name: str) -> dict[str, list[str]]:
-    with gzip.open(TESTS / "reference" / f"deepseek_{name}_orders.json.gz", "rt", encoding="utf-8") as file:
-        return json.load(file)
 
 
 def _text(instruction: Instruction) -> str:
@@ -38,7 +34,7 @@ def _text(instruction: Instruction) -> str:
 
 
 def test_dualpipev_equals_deepseeks_dualpipev_over_the_grid() -> None:
-    reference = _reference("dualpipev")
+    reference = recorded_orders("dualpipev")
     grid = {(p, m) for p in range(1, 9) for m in range(2 * p, 33)}
     assert {tuple(map(int, key.split(","))) for key in reference} == grid
     for key, orders in reference.items():
@@ -61,7 +57,7 @@ def test_deepseeks_dualpipe_is_the_bundled_dualpipev_folded_over_two_copies() ->
     down) is the copy that enters at rank r's own end (copy 0 for r < P/2, copy 1 after), its chunk 1 the other
     copy, and copy 1's micro-batches are M/2 on. So a `dualpipe.pipe` is dualpipev's program run at the half rank
     with the chunks swapped on the second half (docs/design/replicated.md)."""
-    reference = _reference("dualpipe")
+    reference = recorded_orders("dualpipe")
     grid = {(p, m) for p in range(2, 9, 2) for m in range(2 * p, 33, 2)}
     assert {tuple(map(int, key.split(","))) for key in reference} == grid
     for key, orders in reference.items():

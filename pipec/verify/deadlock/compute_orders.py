@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
-from pipec.ir import Program
+from pipec.ir import Program, chain_links
 from pipec.verify.deadlock.rule import check_model, flat_for
 from pipec.verify.deadlock.runs import ComputeRun, Units, Wait, cut_units
 from pipec.verify.flat import B, F, Flat, I, W
@@ -20,7 +20,8 @@ def _data_waits(program: Program, flat: Flat, units: Units) -> tuple[tuple[tuple
     """The waits of every unit of compute orders that has any: F(s,m) waits for F(s-1,m), B/I(s,m) for F(s,m) and
     the backward of (s+1,m), W for I, wherever those run."""
     where, mbs = flat.where, flat.mbs
-    last, step = program.num_stages - 1, mbs * 8
+    has_next, has_previous = chain_links(program.num_stages, program.pipelines)  # where each copy's chain ends
+    step = mbs * 8
     unit_of = units.unit_of
     result = []
     for rank, ops in enumerate(flat.ops):
@@ -31,10 +32,10 @@ def _data_waits(program: Program, flat: Flat, units: Units) -> tuple[tuple[tuple
             base = key - code
             stage = (key >> 3) // mbs
             if code == F:
-                needs = (base - step + F,) if stage > 0 else ()
+                needs = (base - step + F,) if has_previous[stage] else ()
             elif code == B or code == I:
                 gradient = base + step + B if base + step + B in where else base + step + I
-                needs = (base + F, gradient) if stage < last else (base + F,)
+                needs = (base + F, gradient) if has_next[stage] else (base + F,)
             elif code == W:
                 needs = (base + I,)
             else:

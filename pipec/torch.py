@@ -77,6 +77,12 @@ def compile_for_torch(
             f"pipec.torch: {program.name} is forward-only; torch's runtime needs every micro-batch's backward. "
             "Build the schedule from a training schedule and call its eval() for inference"
         )
+    if program.pipelines > 1:
+        raise PipecInputError(
+            f"pipec.torch: {program.name} runs {program.pipelines} copies of the model (replicated pipelines); "
+            "torch's runtime holds one module per stage index, each stage handing to the next, and cannot sum the "
+            "copies' gradients: run it with `pipec run` (docs/runtime.md, \"Replicated pipelines\")"
+        )
     if not program.has_comms:
         program = insert_p2p_ops(program)
     report = verify(program, p2p=P2P_MODEL)

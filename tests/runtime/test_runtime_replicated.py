@@ -16,12 +16,12 @@ One spawn of 4 workers runs every in-process config in turn, to share the start-
 from __future__ import annotations
 
 import functools
-import gzip
 import json
 import os
 import subprocess
 import sys
 
+import deepseek_orders
 import pytest
 import torch
 from conftest import on_gloo
@@ -183,22 +183,10 @@ def test_the_sync_groups_are_per_parameter_over_ties_and_copies() -> None:
         assert verify(synced, p2p="nccl").ok
 
 
-def _deepseek_stream_file(path, ranks: int, microbatches: int) -> None:
-    """DeepSeek's DualPipe order (tests/reference, pipec's numbering) as a stream file: `pipelines 2`, a rank line
-    each, an overlapped pair `F&B` as the text form's `(F;B)OVERLAP_F_B`."""
-    with gzip.open(TESTS / "reference" / "deepseek_dualpipe_orders.json.gz", "rt", encoding="utf-8") as file:
-        orders = json.load(file)[f"{ranks},{microbatches}"]
-
-    def word(text: str) -> str:
-        return f"({text.replace('&', ';')})OVERLAP_F_B" if "&" in text else text
-
-    lines = [f"rank {r}: " + " ".join(map(word, order.split())) for r, order in enumerate(orders)]
-    path.write_text("pipelines 2\n" + "\n".join(lines) + "\n")
-
-
 def test_pipec_run_trains_deepseeks_own_dualpipe_order_and_saves_one_model(tmp_path) -> None:
+    """DeepSeek's own DualPipe order at P=4, M=8 (tests/reference, recorded from dualpipe.py) as a stream file."""
     streams = tmp_path / "deepseek_dualpipe.txt"
-    _deepseek_stream_file(streams, 4, 8)
+    streams.write_text(deepseek_orders.dualpipe_text(deepseek_orders.reference("dualpipe")["4,8"]))
     # the examples folder's module from the checkout's root (as `python -m` would find it there)
     path = os.pathsep.join([str(SUPPORT), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])
     command = [sys.executable, "-m", "pipec", "run", str(streams), "--model", TRANSFORMER, "--steps", str(STEPS),
@@ -212,3 +200,13 @@ def test_pipec_run_trains_deepseeks_own_dualpipe_order_and_saves_one_model(tmp_p
     assert worst(TRANSFORMER, saved) < TOLERANCE
     report = json.loads((tmp_path / "r.json").read_text())
     assert [row["sync_s"] > 0 for row in report["ranks"]] == [True] * 4
+
+
+def test_torchs_own_runtime_is_refused_a_replicated_program() -> None:
+    """pipec.torch runs streams on torch's _PipelineScheduleRuntime, one module per stage index each handing to
+    the next: a program of two copies would run copy 0's last stage into copy 1's first. Refused, saying why."""
+    from pipec.errors import PipecInputError
+    from pipec.torch import compile_for_torch
+
+    with pytest.raises(PipecInputError, match="runs 2 copies of the model"):
+        compile_for_torch("dualpipe", 4, 8, 2)

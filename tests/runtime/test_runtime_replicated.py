@@ -109,13 +109,14 @@ def per_rank(folder: str) -> list[dict]:
 
 
 @functools.cache
-def expected(spec: str, microbatches: int) -> dict:
-    """One process's weights after STEPS steps, each batch's micro-batches accumulated (test_runtime_dp.reference:
-    AdamW, the transformer's optimizer, amplifies the rounding of a whole-batch backward past 1e-5)."""
+def expected(spec: str, microbatches: int) -> tuple[dict, list[float]]:
+    """One process's weights after STEPS steps and its losses, each batch's micro-batches accumulated
+    (test_runtime_dp.reference: AdamW, the transformer's optimizer, amplifies the rounding of a whole-batch
+    backward past 1e-5)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers run (their float32 sums are blocked by thread)
     try:
-        return reference(spec, STEPS, microbatches)[0]
+        return reference(spec, STEPS, microbatches)
     finally:
         torch.set_num_threads(threads)
 
@@ -125,7 +126,7 @@ def worst(spec: str, weights: dict, microbatches: int = 8) -> float:
     model's own forward and loss on the whole batch (SGD)."""
     if spec == GPT2:
         return hf_workloads.worst_difference("gpt2", weights)
-    model = expected(spec, microbatches)
+    model = expected(spec, microbatches)[0]
     assert sorted(weights) == sorted(model)
     return max((weights[k] - model[k]).abs().max().item() for k in model)
 
@@ -148,6 +149,8 @@ def test_replicated_schedules_train_like_one_process(per_rank: list[dict], key: 
         assert difference < TOLERANCE, (key, replica, difference)
     report = per_rank[0][key]["report"]
     assert all(row["sync_s"] > 0 for row in report["ranks"]), key  # every rank holds copies of stages of both
+    if fields["model"] != GPT2:  # each step's loss: the ranks' shares (their copies' micro-batches) summed
+        assert report["losses"] == pytest.approx(expected(fields["model"], microbatches * replicas)[1], abs=1e-6)
     if key in COPIED:
         copies = per_rank[0][key]["copies"]
         assert copies["compared"] == [copies["compared"][0]] * STEPS and copies["compared"][0] > 0

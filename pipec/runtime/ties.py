@@ -13,7 +13,8 @@ group, so a tied weight of a replicated model is one group over all its stages (
 of stage l's parameters another ((l, L+l)), and no parameter is summed twice.
 
 - `find_ties`: every trainable parameter that several layers of the unsplit model, or several copies, hold;
-- `sync_groups`: the stage sets (sync groups) of the ties whose stages run on more than one rank;
+- `sync_groups`: the stage sets (sync groups) of the ties whose stages run on more than one rank (several copies:
+  `pipec.passes.sync.program_groups` of them, the compiler's definition);
 - `with_syncs`: the program with its SYNCs for the model's ties under a partition (checked: exit 1 if the verifier
   refuses it, exit 2 if a program already syncs other groups);
 - `process_groups`: one process group per sync group per replica (every rank creates every one, in one order);
@@ -30,7 +31,7 @@ from datetime import timedelta
 
 from pipec.errors import PipecInputError, ScheduleError
 from pipec.ir import Program
-from pipec.passes.sync import insert_syncs, member_ranks, program_groups
+from pipec.passes import sync as sync_pass  # (called through the module: a test replaces insert_syncs there)
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,8 @@ def sync_groups(ties: Sequence[Tie], stage_to_rank: Sequence[int], pipelines: in
         return tuple(sorted(spanning))
     length = len(stage_to_rank) // pipelines
     in_one_copy = {tuple(s for s in tie.stages if s < length) for tie in ties if len(tie.names) > 1}
-    return program_groups(len(stage_to_rank), pipelines, sorted(group for group in in_one_copy if len(group) > 1))
+    tied = sorted(group for group in in_one_copy if len(group) > 1)
+    return sync_pass.program_groups(len(stage_to_rank), pipelines, tied)
 
 
 def with_syncs(program: Program, layers, sizes: Sequence[int], spec: str | None = None) -> Program:
@@ -96,16 +98,17 @@ def with_syncs(program: Program, layers, sizes: Sequence[int], spec: str | None 
     groups = sync_groups(find_ties(layers, sizes, program.pipelines), program.stage_to_rank, program.pipelines)
     if program.sync_groups == groups:
         return program
-    compiled = program.pipelines > 1 and program.sync_groups == program_groups(program.num_stages, program.pipelines)
+    copies = sync_pass.program_groups(program.num_stages, program.pipelines)
+    compiled = program.pipelines > 1 and program.sync_groups == copies
     if program.sync_groups and not compiled:
         where = f"--model {spec}: " if spec else ""
         raise PipecInputError(
-            f"{where}the schedule syncs the stage groups {list(program.sync_groups)}, but the model's tied "
+            f"{where}the schedule syncs the stage groups {list(program.sync_groups)}, but the model's shared "
             f"parameters under the partition {','.join(map(str, sizes))} need {list(groups) or 'none'}"
         )
     from pipec.verify import verify
 
-    synced = insert_syncs(program, groups)  # (it drops the SYNCs the program held)
+    synced = sync_pass.insert_syncs(program, groups)  # (it drops the SYNCs the program held)
     report = verify(synced, p2p="nccl")
     if not report.ok:  # a compiler bug rather than the user's: never run a program the verifier refuses
         what = f"{program.name} with the syncs of its shared parameters {list(groups)}"
@@ -127,7 +130,7 @@ def describe_ties(ties: Sequence[Tie], program: Program) -> list[str]:
             )
     for stages in program.sync_groups if program.pipelines > 1 else ():
         copied = sum(1 for tie in ties if tie.stages == stages and len(tie.names) == 1)
-        ranks = member_ranks(stages, program.stage_to_rank)
+        ranks = sync_pass.member_ranks(stages, program.stage_to_rank)
         if copied and ranks:
             out.append(
                 f"copies: stages {', '.join(map(str, stages))} on ranks {', '.join(map(str, ranks))}: one stage's "
@@ -161,7 +164,7 @@ def process_groups(program: Program, replicas: int, rank: int, timeout: timedelt
 
     ranks = program.ranks
     # a group on one rank (a replicated program's copies of a stage placed together) issues no SYNC: no group
-    members = [member_ranks(stages, program.stage_to_rank) for stages in program.sync_groups]
+    members = [sync_pass.member_ranks(stages, program.stage_to_rank) for stages in program.sync_groups]
     if not any(members):
         return {}
     key = (id(dist.group.WORLD), ranks, replicas, tuple(members))

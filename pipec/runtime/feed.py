@@ -1,5 +1,5 @@
 """Each step's micro-batches on the rank's device: the inputs where the rank runs stage 0, the targets where it
-runs the last stage (no other rank reads them, so none other copies them).
+runs the last stage (of a copy, in a replicated program; no other rank reads them, so none other copies them).
 
 On a GPU the copy of a batch is work the plain training loop does too, but it need not be on the step's path:
 `prefetch` copies the next step's micro-batches on a side stream while the GPU is still running this step's
@@ -24,8 +24,8 @@ class Feed:
     microbatches: int
     replica: int = 0
     replicas: int = 1
-    inputs_here: bool = True  # the rank runs stage 0
-    targets_here: bool = True  # the rank runs the last stage
+    inputs_here: bool = True  # the rank runs stage 0 (a copy's first stage)
+    targets_here: bool = True  # the rank runs the last stage (a copy's last)
     stream: object = None  # the side stream of the copies ahead (CUDA only)
     ahead: tuple | None = field(default=None, repr=False)  # (the batch, its inputs, its targets) copied ahead
 

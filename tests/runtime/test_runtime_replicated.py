@@ -7,7 +7,8 @@ model on each full batch (written without pipec's runtime), 3 steps:
   (examples/workload.py:causal_transformer, AdamW) and on a model not written for them (a tiny GPT-2 from
   Hugging Face's code through pipec.hf, whose tied embeddings make per-parameter sync groups over all four of
   their stages): every weight within 1e-5, and after EVERY step each stage of copy 1 bitwise equal to copy 0's;
-- `--dp 2` (dualpipe P=2 x 2 replicas), and a checkpoint written by dualpipe resumed by chimera;
+- `--dp 2` (dualpipe P=2 x 2 replicas), both copies of each stage on one rank (one set of layers, no SYNC), and a
+  checkpoint written by dualpipe resumed by chimera;
 - `pipec run` of DeepSeek's own DualPipe order (tests/reference/deepseek_dualpipe_orders.json.gz as a stream
   file): exit 0, `--save` writes one model (the keys of the unsplit model), the report's sync time per rank.
 One spawn of 4 workers runs every in-process config in turn, to share the start-up.
@@ -47,6 +48,9 @@ CONFIGS = {
     "dualpipe-dp": ("dualpipe", 2, 4, {"model": MLP, "dp": 2}),
 }
 COPIED = ("dualpipe-transformer", "chimera-transformer", "dualpipe-gpt2", "chimera-gpt2")
+# Both copies of each stage on one rank (copy 1 down the same ranks, as a second GPipe): one set of layers there,
+# the copies' gradients accumulated into it, no SYNC at all; run with --dp 2 on the spawn's 4 processes
+SAME_RANK = "pipelines 2\nrank 0: 0F0 0F1 2F2 2F3 2B2 2B3 0B0 0B1\nrank 1: 1F0 1F1 3F2 3F3 3B2 3B3 1B0 1B1\n"
 
 
 def _step_and_compare_copies(schedule: str, ranks: int, microbatches: int, spec: str) -> dict:
@@ -84,6 +88,8 @@ def _train_all(folder: str) -> dict:
         out[key] = train(program, Options(steps=STEPS, quiet=True, **fields))
         if key in COPIED:
             out[key]["copies"] = _step_and_compare_copies(schedule, ranks, microbatches, fields["model"])
+    same_rank = pipec.compile(os.path.join(folder, "same_rank.txt"))
+    out["same-rank"] = train(same_rank, Options(model=MLP, steps=STEPS, quiet=True, dp=2))
     where = os.path.join(folder, "ck")
     os.makedirs(where, exist_ok=True)  # (pipec run's preflight makes it before any worker starts)
     train(pipec.compile("dualpipe", 4, 8), Options(model=TRANSFORMER, steps=2, quiet=True, checkpoint=where))
@@ -100,7 +106,9 @@ def runs(folder: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("replicated"))
+    made = tmp_path_factory.mktemp("replicated")
+    (made / "same_rank.txt").write_text(SAME_RANK)
+    return str(made)
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +164,14 @@ def test_replicated_schedules_train_like_one_process(per_rank: list[dict], key: 
         assert copies["compared"] == [copies["compared"][0]] * STEPS and copies["compared"][0] > 0
         assert copies["differing"] == [[]] * STEPS, key
         assert worst(fields["model"], merged(per_rank, key, lambda result: result["copies"]["weights"])) < TOLERANCE
+
+
+def test_two_copies_of_a_stage_on_one_rank_are_one_set_of_layers(per_rank: list[dict]) -> None:
+    report = per_rank[0]["same-rank"]["report"]
+    assert all(row["sync_s"] == 0 for row in report["ranks"])  # nothing to sum across ranks
+    for replica in range(2):
+        weights = merged(per_rank, "same-rank", ranks=range(2 * replica, 2 * replica + 2))
+        assert worst(MLP, weights, 8) < TOLERANCE
 
 
 def test_a_checkpoint_is_one_model_and_a_resume_restores_every_copy(per_rank: list[dict], folder: str) -> None:

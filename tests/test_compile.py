@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import pipec
 from pipec.emit import dump_json, dump_text, dump_torch_csv, load_json, load_text, load_torch_csv
+from pipec.errors import PipecInputError
 from pipec.library import bundled_names, bundled_source
 from pipec.testing import schedule_params
 
@@ -40,7 +41,6 @@ def _independent_run(program: pipec.Program) -> bool:
     streams = [[a for i in s for a in i.parts if a.kind.is_compute] for s in program.compute_streams()]
     done: set[tuple[int, str, int]] = set()
     position = [0] * len(streams)
-    last = program.num_stages - 1
     progress = True
     while progress:
         progress = False
@@ -48,9 +48,10 @@ def _independent_run(program: pipec.Program) -> bool:
             while position[rank] < len(stream):
                 stage, kind, mb = stream[position[rank]]
                 needs = {
-                    "F": [(stage - 1, "F", mb)] if stage > 0 else [],
-                    "B": [(stage, "F", mb)] + ([(stage + 1, "G", mb)] if stage < last else []),
-                    "I": [(stage, "F", mb)] + ([(stage + 1, "G", mb)] if stage < last else []),
+                    # a chain ends at its copy's first and last stage (one copy: stage 0 and S - 1)
+                    "F": [] if program.is_first(stage) else [(stage - 1, "F", mb)],
+                    "B": [(stage, "F", mb)] + ([] if program.is_last(stage) else [(stage + 1, "G", mb)]),
+                    "I": [(stage, "F", mb)] + ([] if program.is_last(stage) else [(stage + 1, "G", mb)]),
                     "W": [(stage, "G", mb)],
                 }[kind.value]
                 if not all(n in done for n in needs):
@@ -70,6 +71,9 @@ def test_every_library_schedule_compiles_completely(params: tuple[str, int, int,
     for stage in range(ranks * chunks):
         assert program.stage_to_rank[stage] in range(ranks)
         for mb in range(microbatches):
+            if stage not in program.stages_of_microbatch(mb):  # another copy's (replicated pipelines)
+                assert not any(counts[(stage, kind, mb)] for kind in "FBIW"), (name, stage, mb)
+                continue
             assert counts[(stage, "F", mb)] == 1, (name, stage, mb)
             if program.forward_only:
                 continue
@@ -91,6 +95,10 @@ def test_streams_round_trip_through_every_format(params: tuple[str, int, int, in
     assert via_json.stage_to_rank == program.stage_to_rank
     assert via_json.memory_bound == program.memory_bound
     assert load_text(dump_text(program)).streams == program.streams
+    if program.pipelines > 1:  # torch's runtime holds one copy of each stage: a replicated schedule is refused
+        with pytest.raises(PipecInputError, match=r"pipelines \(copies of the model\)"):
+            dump_torch_csv(program, with_comms=True)
+        return
     assert load_torch_csv(dump_torch_csv(program, with_comms=True)).streams == program.streams
     compute_only = load_torch_csv(dump_torch_csv(program, with_comms=False))
     assert compute_only.streams == program.compute_streams()

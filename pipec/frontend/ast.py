@@ -217,6 +217,23 @@ class Placement:
 
 
 @dataclass(frozen=True, slots=True)
+class Pipelines:
+    """`pipelines EXPR`: C copies of the model over the same ranks (docs/language.md, "Replicated pipelines")."""
+
+    value: Expr
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """`route m -> EXPR`: the copy (0 .. C-1) micro-batch m goes through."""
+
+    var: str
+    value: Expr
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
 class Memory:
     """`memory EXPR` or `memory per rank r: EXPR`: the activation-memory bound each rank must keep."""
 
@@ -284,3 +301,5 @@ class Schedule:
     span: Span
     blocks: tuple[Block, ...] = ()  # in source order; calls are checked by the parser (names, arity, no cycles)
     choose: Choose | None = None  # a cost-aware schedule: rules instead of a program or lists
+    pipelines: Pipelines | None = None  # None: one pipeline (C = 1)
+    route: Route | None = None  # None: equal contiguous blocks, m * C // M

@@ -77,6 +77,7 @@ class Compiler:
         record: bool = False,
         blocks: Mapping[str, BlockFn] | None = None,
         scope: str = "",
+        routed: bool = False,
     ) -> None:
         self.known = set(known)
         self.blocks = blocks or {}  # compiled blocks by name; the parser checked every call's name and arity
@@ -89,6 +90,9 @@ class Compiler:
         # expressions over them are folded at compile time instead of walked for every op
         self.constants = dict(constants or {})
         self.chunks = chunks  # this rank's stage count, when compiling for one rank
+        # replicated pipelines: counters hand out the micro-batches routed to their chunk's copy (RankState.routed);
+        # one pipeline keeps the plain counters, where the k-th F[c] is micro-batch k
+        self.routed = routed
         self._folded: dict[int, int | None] = {}
         self._plain: Compiler | None = None  # evaluates foldable expressions, on a state holding the constants
         self._state: RankState | None = None
@@ -483,9 +487,18 @@ class Compiler:
                 st.forward_count[c] = mb + 1
                 return Action(st.stages[c], kind, mb)
 
-            return forward
+            def forward_routed(st: RankState) -> Action:
+                c = chunk_of(st)
+                if at_fn is not None:
+                    return Action(st.stages[c], kind, at_fn(st))
+                k = st.forward_count[c]
+                st.forward_count[c] = k + 1
+                return Action(st.stages[c], kind, st.routed_microbatch(c, k))
+
+            return forward_routed if self.routed else forward
 
         is_input = kind is Kind.I
+        routed = self.routed
 
         def backward(st: RankState) -> Action:
             c = chunk_of(st)
@@ -494,7 +507,7 @@ class Compiler:
             else:
                 mb = st.backward_count[c]
                 st.backward_count[c] = mb + 1
-                action = Action(st.stages[c], kind, mb)
+                action = Action(st.stages[c], kind, st.routed_microbatch(c, mb) if routed else mb)
             if is_input:
                 st.enqueue_weight(c, action)
             return action

@@ -95,7 +95,8 @@ def _expand(
     if literal is not None and literal_spans is not None:
         streams, spans = literal, literal_spans
     else:
-        streams, spans = run_programs(schedule, env, rank_stages, budget, record)
+        routed = routed_microbatches(header, env["M"]) if header.pipelines > 1 else None
+        streams, spans = run_programs(schedule, env, rank_stages, budget, record, routed)
     if schedule.drop_padded:
         if record:
             spans = [
@@ -154,4 +155,16 @@ def _program(
         forward_only=schedule.forward_only,
         expected={what: Fraction(value) for what, value in header.expected.items()},
         provenance=None if schedule.choose is not None else PipeSource(schedule),
+        pipelines=header.pipelines,
+        routes=header.routes,
     )
+
+
+def routed_microbatches(header: Header, microbatches: int) -> tuple[tuple[int, ...], ...]:
+    """Per stage, the micro-batches routed to its copy, in order: the k-th `F[c]` of a chunk is the k-th of its
+    stage's list."""
+    per_copy: list[list[int]] = [[] for _ in range(header.pipelines)]
+    for mb, copy in enumerate(header.routes):
+        per_copy[copy].append(mb)
+    length = header.stages // header.pipelines
+    return tuple(tuple(per_copy[stage // length]) for stage in range(header.stages))

@@ -21,8 +21,10 @@ def run_programs(
     rank_stages: list[tuple[int, ...]],
     budget: Budget,
     record: bool = False,
+    routed: tuple[tuple[int, ...], ...] | None = None,
 ) -> tuple[list[list[Instruction]], list[list[Span]]]:
-    """Each rank's compute order and, when `record`, the span that emitted each of its instructions."""
+    """Each rank's compute order and, when `record`, the span that emitted each of its instructions. ``routed``
+    (replicated pipelines): per stage, the micro-batches its counters hand out in order."""
     assert schedule.body is not None and schedule.rank_var is not None
     if schedule.rank_var in env:
         raise PipecInputError(
@@ -35,7 +37,7 @@ def run_programs(
     once = {name for name, count in assigned.items() if count == 1 and name not in env and name != schedule.rank_var}
     nodes = _count_nodes(schedule.body)
     # blocks see no rank (only what is passed to them), and every rank holds V chunks: compiled once for all ranks
-    blocks = _compile_blocks(schedule, env, env["V"], budget, record)
+    blocks = _compile_blocks(schedule, env, env["V"], budget, record, routed is not None)
     streams: list[list[Instruction]] = []
     spans: list[list[Span]] = []
     for rank, stages in enumerate(rank_stages):
@@ -45,9 +47,14 @@ def run_programs(
             constants = {
                 name: value for name, value in {**env, schedule.rank_var: rank}.items() if name not in assigned
             }
-            compiler = Compiler(known, constants=constants, chunks=len(stages), record=record, blocks=blocks)
+            compiler = Compiler(
+                known, constants=constants, chunks=len(stages), record=record, blocks=blocks, routed=routed is not None
+            )
             program = compiler.top_block(schedule.body, once)
             st = RankState(vars={**env, schedule.rank_var: rank}, rank=rank, stages=stages, budget=budget)
+            if routed is not None:
+                st.routed = tuple(routed[stage] for stage in stages)
+                st.microbatches = env["M"]
             program(st)
             budget.finish_rank(st, schedule.span)
         except ScheduleProgramError as e:
@@ -58,7 +65,7 @@ def run_programs(
 
 
 def _compile_blocks(
-    schedule: ast.Schedule, env: dict[str, int], chunks: int, budget: Budget, record: bool
+    schedule: ast.Schedule, env: dict[str, int], chunks: int, budget: Budget, record: bool, routed: bool
 ) -> dict[str, BlockFn]:
     """Each block as a closure that runs its body in a fresh frame: the parameters, lets and S, its own parameters
     bound to the arguments. Its assignments stay in that frame (block variables are private to one call), while
@@ -102,6 +109,7 @@ def _compile_blocks(
             record=record,
             blocks=compiled,
             scope=scope,
+            routed=routed,
         )
         compiled[block.name] = _frame(compiler.top_block(block.body, once), block.params, env)
     return compiled

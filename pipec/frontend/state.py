@@ -88,6 +88,10 @@ class RankState:
     steps: int = 0  # loop iterations and drained W's so far; with len(out), what the budgets count
     next_check: int = 0  # steps + len(out) above which checkpoint() looks at the budgets
     spans: list[Span] = field(default_factory=list)  # parallel to `out`, filled only by a recording compile
+    # replicated pipelines: per chunk, the micro-batches routed to its stage's copy (empty: one pipeline, where
+    # the k-th F[c] is micro-batch k); a counter past its copy's list hands out padded micro-batches M, M+1, ...
+    routed: tuple[tuple[int, ...], ...] = ()
+    microbatches: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.stages)
@@ -107,6 +111,11 @@ class RankState:
                 span,
             )
         return chunk
+
+    def routed_microbatch(self, chunk: int, k: int) -> int:
+        """The k-th micro-batch routed to ``chunk``'s copy (past the last, the padded M + k - routed)."""
+        table = self.routed[chunk]
+        return table[k] if k < len(table) else self.microbatches + k - len(table)
 
     def tick(self, span: Span) -> None:
         """One loop iteration. Ops emitted count too: len(out) is read here, so a loop body that emits many ops

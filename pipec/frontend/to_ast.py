@@ -265,6 +265,14 @@ class ToAst(Transformer):
         return ("stages", children[0], meta)
 
     @v_args(meta=True)
+    def pipelines_decl(self, meta: Any, children: list[Any]) -> tuple[str, Any, Any]:
+        return ("pipelines", ast.Pipelines(children[0], self._span(meta)), meta)
+
+    @v_args(meta=True)
+    def route_decl(self, meta: Any, children: list[Any]) -> tuple[str, Any, Any]:
+        return ("route", ast.Route(str(children[0]), children[1], self._span(meta)), meta)
+
+    @v_args(meta=True)
     def placement_named(self, meta: Any, children: list[Token]) -> ast.Placement:
         style = str(children[0])
         if style not in ("loop", "v"):
@@ -436,4 +444,6 @@ class ToAst(Transformer):
             span=self._span(name),
             blocks=tuple(blocks.values()),
             choose=choose,
+            pipelines=found.get("pipelines"),
+            route=found.get("route"),
         )

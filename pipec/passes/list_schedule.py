@@ -174,9 +174,9 @@ class _Run:
     work: list[Fraction]  # per rank, busy time per micro-batch
     limits: list[float | None]
     max_steps: int
-    # per stage, the micro-batches through it in order (all of them unless the copies route them elsewhere): the
-    # k-th F (B, I) of a chunk takes the k-th of its stage's, as the front end's counters do
-    routed: list[list[int]] = field(default_factory=list)
+    # per rank, per chunk: the micro-batches of its stage's copy, in order (the k-th F or backward of a chunk is
+    # the k-th of them; one pipeline: range(M))
+    routed: list[list[Sequence[int]]] = field(default_factory=list)
     fwd: list[list[int]] = field(default_factory=list)
     bwd: list[list[int]] = field(default_factory=list)
     queue: list[list[deque[int]]] = field(default_factory=list)  # per chunk, mbs whose W is pending
@@ -226,15 +226,13 @@ def _start_run(
     if len(sizes) != last + 1:
         raise PipecInputError(f"{len(sizes)} stage sizes given for {last + 1} stages")
     stages = [template.stages_of(r) for r in range(ranks)]
-    routed = [
-        [mb for mb in range(n_mb) if template.route_of(mb) == template.pipeline_of(s)] for s in range(last + 1)
-    ]
     work = [sum((dur[k][s] for s in st for k in rules.takes), Fraction(0)) for st in stages]
     limits = [rules.limit(r) if rules.limit else None for r in range(ranks)]
     limits = [
         b if b is not None else (template.memory_bound[r] if template.memory_bound else None)
         for r, b in enumerate(limits)
     ]
+    routed = [[_routed(template, s) for s in st] for st in stages]
     return _Run(
         ranks, n_mb, where, links, rules, back, {k: i for i, k in enumerate(rules.takes)}, table, dur, pair_row,
         forward_to, backward_to, delay, post, deltas, sizes, stages, work, limits, max_steps,
@@ -249,9 +247,17 @@ def _start_run(
         lives=[[] for _ in range(ranks)],
         events=[(Fraction(0), 0, r, None) for r in range(ranks)],
         seq=ranks,
-        left=sum(len(routed[s]) for st in stages for s in st) * len(rules.takes),
+        left=sum(len(mbs) for rank_routed in routed for mbs in rank_routed) * len(rules.takes),
         deadline=time.monotonic() + MAX_SECONDS,
     )  # fmt: skip
+
+
+def _routed(template: Program, stage: int) -> Sequence[int]:
+    """The micro-batches that pass ``stage``, in order: those routed to its copy."""
+    if template.pipelines == 1:
+        return range(template.microbatches)
+    copy = template.pipeline_of(stage)
+    return [mb for mb in range(template.microbatches) if template.route_of(mb) == copy]
 
 
 def _ready_at(run: _Run, rank: int, kind: Kind, stage: int, mb: int) -> Fraction | None:
@@ -278,10 +284,10 @@ def _candidates(run: _Run, rank: int) -> list[tuple[Kind, int, int, int, Fractio
     found = []
     fwd, bwd, queue, n_mb, live, deltas = run.fwd[rank], run.bwd[rank], run.queue[rank], run.n_mb, run.live, run.deltas
     for c, s in enumerate(run.stages[rank]):
-        mbs = run.routed[s]
-        f = mbs[fwd[c]] if fwd[c] < len(mbs) else n_mb
-        b = mbs[bwd[c]] if bwd[c] < len(mbs) else n_mb
-        for kind, mb in ((Kind.F, f), (run.back, b), (Kind.W, queue[c][0] if queue[c] else n_mb)):
+        mine = run.routed[rank][c]
+        forward = mine[fwd[c]] if fwd[c] < len(mine) else n_mb
+        backward = mine[bwd[c]] if bwd[c] < len(mine) else n_mb
+        for kind, mb in ((Kind.F, forward), (run.back, backward), (Kind.W, queue[c][0] if queue[c] else n_mb)):
             if kind in run.order and mb < n_mb:
                 after = live[rank] + deltas[kind] * run.sizes[s]
                 found.append((kind, c, s, mb, _ready_at(run, rank, kind, s, mb), after))

@@ -63,6 +63,12 @@ def draws(
             reason = "forward only (inference): no backward to tune"
             yield Draw(name, source, 0, (), False, problem=reason, skipped=True)
             continue
+        if schedule.pipelines is not None:
+            # tune's costs and memory are per rank share with a stage 1/V of it; a stage of C copies is C/V of it,
+            # so its figures would not compare with the others' (they would look C times cheaper)
+            reason = "replicated pipelines (copies of the model): tune compares schedules of one copy"
+            yield Draw(name, source, 0, (), False, problem=reason, skipped=True)
+            continue
         yield from _schedule_draws(name, source, schedule, ranks, microbatches, chunks, limit, rng)
 
 

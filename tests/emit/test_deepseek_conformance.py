@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 
+from cli_capture import run_main
 from deepseek_orders import reference as recorded_orders
 from paths import TESTS
 
@@ -42,6 +44,39 @@ def test_dualpipev_equals_deepseeks_dualpipev_over_the_grid() -> None:
         program = pipec.compile("dualpipev", ranks, microbatches, 2, comms=False)
         ours = [" ".join(map(_text, stream)) for stream in program.compute_streams()]
         assert ours == orders, key
+
+
+_COMPUTE = re.compile(r"[0-9]+[FBIW][0-9]+")
+_PAIR = re.compile(r"\(([0-9]+[FBIW][0-9]+);([0-9]+[FBIW][0-9]+)\)OVERLAP_F_B")
+
+
+def _compute_order(line: str) -> str:
+    """A rank's line of `pipec compile --format text` as its compute order (send, recv and sync left out), an
+    overlapped pair written `F&B` as in the reference."""
+    ops = []
+    for token in line.split(":", 1)[1].split():
+        if pair := _PAIR.fullmatch(token):
+            ops.append(f"{pair[1]}&{pair[2]}")
+        elif _COMPUTE.fullmatch(token):
+            ops.append(token)
+    return " ".join(ops)
+
+
+def test_dualpipe_compiles_to_deepseeks_dualpipe_over_the_grid() -> None:
+    """The bundled dualpipe, as `pipec compile dualpipe -P P -M M --format text` prints it, is op for op the order
+    DeepSeek's dualpipe.py step() runs, for every (P, M) its asserts allow up to P = 8, M = 32 (48 cases); and a
+    (P, M) they refuse is refused with the schedule's reason."""
+    reference = recorded_orders("dualpipe")
+    assert len(reference) == 48
+    for key, orders in reference.items():
+        ranks, microbatches = key.split(",")
+        code, out, err = run_main(["compile", "dualpipe", "-P", ranks, "-M", microbatches, "--format", "text"])
+        assert code == 0, (key, err)
+        lines = [line for line in out.splitlines() if line.startswith("rank ")]
+        assert [_compute_order(line) for line in lines] == orders, key
+    for ranks, microbatches, why in (("3", "6", "even number of ranks"), ("4", "7", "even M"), ("4", "6", "even M")):
+        code, _, err = run_main(["compile", "dualpipe", "-P", ranks, "-M", microbatches])
+        assert code == 2 and why in err, (ranks, microbatches, err)
 
 
 def _unfolded(action: Action, rank: int, ranks: int, microbatches: int) -> str:

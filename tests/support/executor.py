@@ -53,7 +53,8 @@ def _produces(action: Action) -> list[tuple]:
 
 
 def _reads(action: Action, length: int) -> list[tuple]:
-    """What an op reads; ``length``: the stages of one copy of the model (a chain starts at each multiple of it)."""
+    """What the op needs; ``length``: the stages of one copy of the model, whose chain ends at its first stage
+    (where the input enters) and its last (where the loss is)."""
     stage, kind, mb = action
     if kind is Kind.F:
         return [("act", stage - 1, mb)] if stage % length else []
@@ -109,7 +110,7 @@ def run(program: Program, model: str) -> Outcome:
     in_order = model != "tagged"  # nccl and torch: one stream of batches per rank, channels matched in order
     streams = [list(s) for s in program.streams]
     ranks = len(streams)
-    length = program.num_stages // program.pipelines  # where each copy's chain ends
+    length = program.num_stages // program.pipelines  # one copy's stages
     place = program.stage_to_rank
     shared = not program.has_comms
     common: set[tuple] = set()
@@ -278,7 +279,7 @@ def run_plans(program: Program, plans: list[list]) -> PlanOutcome:
     The run ends when a round makes no progress: it completed if every rank reached its end with nothing
     outstanding."""
     ranks = len(plans)
-    length = program.num_stages // program.pipelines  # where each copy's chain ends
+    length = program.num_stages // program.pipelines  # one copy's stages
     place = program.stage_to_rank
     stores: list[set[tuple]] = [set() for _ in range(ranks)]
     pc = [0] * ranks

@@ -331,8 +331,13 @@ def _comms(program: Program, flat: Flat) -> list[str]:
         stage = (key >> 3) // flat.mbs
         peer_stage = stage + stage_offset[code]
         partner = key + partner_offset[code]
-        in_chain = 0 <= peer_stage <= last and peer_stage // length == stage // length  # not past a copy's end
-        if not in_chain or partner not in where or count.get(key, 1) != count.get(partner, 1):
+        if 0 <= peer_stage <= last and peer_stage // length != stage // length:  # past the end of a copy's chain
+            end = "last" if peer_stage > stage else "first"
+            out.append(
+                f"{name(key)}: stage {stage} is the {end} of copy {stage // length}'s chain, which hands nothing to "
+                f"stage {peer_stage} (copy {peer_stage // length}'s)"
+            )
+        elif not 0 <= peer_stage <= last or partner not in where or count.get(key, 1) != count.get(partner, 1):
             out.append(f"{name(key)} has no matching {_text(peer_stage, partner, flat)}")
         elif stage <= last and placement[stage] == placement[peer_stage]:
             out.append(

@@ -134,11 +134,11 @@ def compile_program(
 
 def place_p2p(program: Program, costs: Costs | None = None) -> Program:
     """Send/recv placed for ``costs``: the default placement (None), else the replay timed with them unless the
-    default placement simulates faster under them (pipec.sim.placement; the simulator is loaded only then). A
-    program of several pipelines then gets the SYNCs of its copies (pipec.passes.sync.with_copy_syncs)."""
+    default placement simulates faster under them (pipec.sim.placement; the simulator is loaded only then). Either
+    way a program of several pipelines gets the SYNCs of its copies (pipec.passes.sync.with_copy_syncs)."""
     if costs is None:
         return with_copy_syncs(insert_p2p_ops(program))
     from pipec.sim.placement import fastest_placement
 
-    return with_copy_syncs(fastest_placement(program, costs))
+    return fastest_placement(program, costs)
 

@@ -50,8 +50,10 @@ def insert_syncs(program: Program, groups: Sequence[Sequence[int]]) -> Program:
         placed: list[Instruction] = []
         pending = sorted(points[rank])
         head = 0
-        for index, instruction in enumerate(stream):
-            placed.append(instruction)
+        # from index -1: an empty stream (a copy no micro-batch is routed through) syncs at its start
+        for index in range(-1, len(stream)):
+            if index >= 0:
+                placed.append(stream[index])
             while head < len(pending) and pending[head][0] == index:
                 group = pending[head][1]
                 placed.append(Action(sync_stage(checked[group], rank, program.stage_to_rank), Kind.SYNC, group))

@@ -52,13 +52,15 @@ def _produces(action: Action) -> list[tuple]:
     return []
 
 
-def _reads(action: Action, last: int) -> list[tuple]:
+def _reads(action: Action, length: int) -> list[tuple]:
+    """What the op needs; ``length``: the stages of one copy of the model, whose chain ends at its first stage
+    (where the input enters) and its last (where the loss is)."""
     stage, kind, mb = action
     if kind is Kind.F:
-        return [("act", stage - 1, mb)] if stage > 0 else []
+        return [("act", stage - 1, mb)] if stage % length else []
     if kind in (Kind.B, Kind.I):
         reads = [("act", stage, mb)]
-        if stage < last:
+        if (stage + 1) % length:
             reads.append(("grad", stage + 1, mb))
         return reads
     if kind is Kind.W:
@@ -108,7 +110,7 @@ def run(program: Program, model: str) -> Outcome:
     in_order = model != "tagged"  # nccl and torch: one stream of batches per rank, channels matched in order
     streams = [list(s) for s in program.streams]
     ranks = len(streams)
-    last = program.num_stages - 1
+    length = program.num_stages // program.pipelines  # one copy's stages
     place = program.stage_to_rank
     shared = not program.has_comms
     common: set[tuple] = set()
@@ -149,7 +151,7 @@ def run(program: Program, model: str) -> Outcome:
     def post(rank: int, start: int, end: int) -> bool:
         ops = streams[rank][start:end]
         for op in ops:  # a send needs its tensor on this rank
-            if op.kind in (Kind.SEND_F, Kind.SEND_B) and any(r not in stores[rank] for r in _reads(op, last)):
+            if op.kind in (Kind.SEND_F, Kind.SEND_B) and any(r not in stores[rank] for r in _reads(op, length)):
                 return False
         entries = []
         batch = Batch(entries)
@@ -242,7 +244,7 @@ def run(program: Program, model: str) -> Outcome:
                         progress = True
                 else:
                     parts = instruction.parts
-                    if all(r in stores[rank] for action in parts for r in _reads(action, last)):
+                    if all(r in stores[rank] for action in parts for r in _reads(action, length)):
                         for action in parts:
                             stores[rank].update(_produces(action))
                         pc[rank] += 1
@@ -277,7 +279,7 @@ def run_plans(program: Program, plans: list[list]) -> PlanOutcome:
     The run ends when a round makes no progress: it completed if every rank reached its end with nothing
     outstanding."""
     ranks = len(plans)
-    last = program.num_stages - 1
+    length = program.num_stages // program.pipelines  # one copy's stages
     place = program.stage_to_rank
     stores: list[set[tuple]] = [set() for _ in range(ranks)]
     pc = [0] * ranks
@@ -289,7 +291,7 @@ def run_plans(program: Program, plans: list[list]) -> PlanOutcome:
 
     def post(rank: int, index: int, actions: tuple) -> bool:
         sends = [a for a in actions if a.kind in (Kind.SEND_F, Kind.SEND_B)]
-        if any(r not in stores[rank] for a in sends for r in _reads(a, last)):
+        if any(r not in stores[rank] for a in sends for r in _reads(a, length)):
             return False
         records = []
         for action in actions:
@@ -333,7 +335,7 @@ def run_plans(program: Program, plans: list[list]) -> PlanOutcome:
                         progress = True
                 elif all([deliver(rank, k) for k in entry.waits]):
                     for action in entry.actions:
-                        missing = [r for r in _reads(action, last) if r not in stores[rank]]
+                        missing = [r for r in _reads(action, length) if r not in stores[rank]]
                         if missing:
                             out.errors.append(f"rank {rank}: {action} ran without {missing}")
                         stores[rank].update(_produces(action))

@@ -106,3 +106,15 @@ def test_copies_that_no_group_sums_are_refused_once_the_send_recv_are_placed(tmp
     # the compute orders alone: the verifier lowers them with the copies' SYNCs, as the compiler does
     orders = pipec.load(str(path))
     assert not orders.has_comms and orders.check().ok
+
+
+def test_a_message_across_two_copies_chains_is_refused_naming_the_chain_end(tmp_path: Path) -> None:
+    """Copy 0's last stage hands nothing on: a send from it to copy 1's first stage is named as such."""
+    path = tmp_path / "dualpipe.txt"
+    path.write_text(dualpipe_text(next(o for p, m, o in dualpipe_cases() if (p, m) == (4, 8))))
+    program = pipec.compile(str(path))
+    # rank 3 holds stage 3 (copy 0's last) and stage 4 (copy 1's first): a send of stage 3's output as if to 4
+    streams = list(program.streams)
+    streams[3] = (*streams[3], Action(3, Kind.SEND_F, 0))
+    problems = check_structure(replace(program, streams=tuple(streams)))
+    assert "3SEND_F0: stage 3 is the last of copy 0's chain, which hands nothing to stage 4 (copy 1's)" in problems

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from sync_programs import random_syncs, sync_after_last_backward, without_syncs
 
 import pipec
+from pipec.compiler import parse_schedule
 from pipec.errors import PipecError
 from pipec.ir import Action, Kind, Program
 from pipec.library import bundled_names
@@ -28,6 +29,8 @@ def _library_with_ties() -> list[tuple[str, Program]]:
     """Every library schedule on the grid where it compiles, with the tied-embedding group (0, S-1)."""
     out = []
     for name in bundled_names():
+        if parse_schedule(name).pipelines is not None:
+            continue  # replicated copies come with their own groups, ties lifted to every copy (program_groups)
         for ranks, microbatches, chunks in GRID:
             try:
                 program = pipec.compile(name, ranks, microbatches, chunks)
@@ -41,7 +44,7 @@ def _library_with_ties() -> list[tuple[str, Program]]:
 def test_insert_syncs_output_verifies_for_every_library_schedule() -> None:
     cases = _library_with_ties()
     names = {label.split()[0] for label, _ in cases}
-    assert len(names) == len(bundled_names()) and len(cases) > 60
+    assert len(names) == len(bundled_names()) - 2 and len(cases) > 60  # all but dualpipe and chimera
     synced = 0
     for label, program in cases:
         for model in MODELS:

@@ -52,8 +52,8 @@ def library_best(ranks: int, microbatches: int, costs_map: dict, limit: float) -
                 program = pipec.compile(name, ranks, microbatches, v, costs=share)
             except PipecError:
                 continue  # the schedule refuses this V or size
-            if program.forward_only or program.num_stages != ranks * v:
-                continue
+            if program.forward_only or program.num_stages != ranks * v or program.pipelines > 1:
+                continue  # tune takes neither forward-only nor replicated schedules (test_tune_replicated.py)
             report = verify(program, memory_limit=limit, stage_sizes=share_stage_sizes(None, ranks, v))
             if not report.ok:
                 continue

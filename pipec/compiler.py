@@ -29,7 +29,7 @@ from pipec.library import resolve
 from pipec.limits import check_sizes
 from pipec.passes.list_schedule import Rules, list_schedule
 from pipec.passes.p2p import insert_p2p_ops
-from pipec.passes.sync import insert_syncs, program_groups
+from pipec.passes.sync import with_copy_syncs
 
 if TYPE_CHECKING:  # for the hints only: compiling with the default costs need not load the cost model
     from pipec.sim.costs import Costs
@@ -134,19 +134,11 @@ def compile_program(
 
 def place_p2p(program: Program, costs: Costs | None = None) -> Program:
     """Send/recv placed for ``costs``: the default placement (None), else the replay timed with them unless the
-    default placement simulates faster under them (pipec.sim.placement; the simulator is loaded only then). A
-    program of several pipelines then gets the SYNCs of its copies (with_copy_syncs)."""
+    default placement simulates faster under them (pipec.sim.placement; the simulator is loaded only then). Either
+    way a program of several pipelines gets the SYNCs of its copies (pipec.passes.sync.with_copy_syncs)."""
     if costs is None:
         return with_copy_syncs(insert_p2p_ops(program))
     from pipec.sim.placement import fastest_placement
 
-    return with_copy_syncs(fastest_placement(program, costs))
+    return fastest_placement(program, costs)
 
-
-def with_copy_syncs(program: Program) -> Program:
-    """A program of C > 1 pipelines (copies of the model) with the SYNCs that sum each stage's gradients over its
-    copies before the step (docs/design/replicated.md section 3: pipec.passes.sync.program_groups), unless it
-    declares sync groups of its own; any other program as it is."""
-    if program.pipelines == 1 or program.sync_groups:
-        return program
-    return insert_syncs(program, program_groups(program.num_stages, program.pipelines))

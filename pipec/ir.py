@@ -253,6 +253,18 @@ class Program:
                 return f"the route of micro-batch {mb} is {copy!r}: the copies are 0..{copies - 1}"
         return None
 
+    def crossings(self) -> int:
+        """How many values cross ranks forward in one step (as many gradients cross back): per micro-batch, the rank
+        boundaries of its copy's chain."""
+        placement, length = self.stage_to_rank, self.stages_per_pipeline
+        per_copy = [
+            sum(1 for s in range(c * length, (c + 1) * length - 1) if placement[s] != placement[s + 1])
+            for c in range(self.pipelines)
+        ]
+        if not self.routes:
+            return per_copy[0] * self.microbatches
+        return sum(per_copy[copy] for copy in self.routes)
+
     def stages_of(self, rank: int) -> tuple[int, ...]:
         return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
 

@@ -31,6 +31,7 @@ SLOW = (
     "verify/test_verify_sync.py::test_insert_syncs_keeps_any_valid_program_deadlock_free",
     "verify/test_verify_properties.py::test_verdicts_equal_the_executor",
     "verify/test_verify_properties.py::test_valid_orders_are_accepted_and_run",
+    "verify/test_replicated_properties.py::test_replicated_verdicts_equal_the_executor_and_the_simulator",
     "verify/test_verify.py::test_library_is_accepted_under_every_model",
     "verify/test_verify.py::test_placed_streams_are_accepted_and_reach_the_compute_orders_makespan",
     "testing/test_testing_kit.py::test_every_drawn_parameter_set_compiles",

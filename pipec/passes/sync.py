@@ -50,8 +50,10 @@ def insert_syncs(program: Program, groups: Sequence[Sequence[int]]) -> Program:
         placed: list[Instruction] = []
         pending = sorted(points[rank])
         head = 0
-        for index, instruction in enumerate(stream):
-            placed.append(instruction)
+        # from index -1: an empty stream (a copy no micro-batch is routed through) syncs at its start
+        for index in range(-1, len(stream)):
+            if index >= 0:
+                placed.append(stream[index])
             while head < len(pending) and pending[head][0] == index:
                 group = pending[head][1]
                 placed.append(Action(sync_stage(checked[group], rank, program.stage_to_rank), Kind.SYNC, group))
@@ -71,6 +73,15 @@ def program_groups(num_stages: int, pipelines: int, ties: Sequence[Sequence[int]
     lifted = [tuple(sorted(c * length + s for c in range(pipelines) for s in tie)) for tie in ties]
     copies = [tuple(c * length + s for c in range(pipelines)) for s in range(length)] if pipelines > 1 else []
     return tuple(sorted(set(lifted) | set(copies)))
+
+
+def with_copy_syncs(program: Program) -> Program:
+    """A program of C > 1 pipelines (copies of the model), its send/recv placed, with the SYNCs that sum each
+    stage's gradients over its copies before the step (program_groups), unless it declares sync groups of its
+    own; any other program as it is. The compile driver and the verifier's own lowering apply it alike."""
+    if program.pipelines == 1 or program.sync_groups:
+        return program
+    return insert_syncs(program, program_groups(program.num_stages, program.pipelines))
 
 
 def check_groups(groups: Sequence[Sequence[int]], stages: int) -> SyncGroups:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pipec.errors import PipecError
 from pipec.ir import Program
 from pipec.passes.p2p import insert_p2p_ops
+from pipec.passes.sync import with_copy_syncs
 from pipec.sim.costs import Costs
 from pipec.sim.engine import checked, run_model
 
@@ -15,9 +16,11 @@ def fastest_placement(program: Program, costs: Costs) -> Program:
     """The timed placement for ``costs`` if it simulates faster than the default one, else the default one. A list
     schedule is a heuristic: timing it with the user's costs is faster more often than not, but not always
     (measured on random programs and costs: faster in about 59% of cases, slower in 18%), and the user should
-    never get a slower schedule for having said what their costs are."""
-    default = insert_p2p_ops(program)
-    timed = insert_p2p_ops(program, costs)
+    never get a slower schedule for having said what their costs are. A program of several pipelines gets the SYNCs
+    of its copies (pipec.passes.sync.with_copy_syncs)."""
+    # a program of several copies is timed with the SYNCs that sum them, as it will run
+    default = with_copy_syncs(insert_p2p_ops(program))
+    timed = with_copy_syncs(insert_p2p_ops(program, costs))
     if timed.streams == default.streams:
         return default
     try:

@@ -121,24 +121,51 @@ class Run:
         a send of that message, and a completed run left nothing unmatched, so with that count nothing is extra,
         duplicated or on the wrong pair. False whenever any of this fails, even if the program is sound after all
         (an overlapped pair of another shape): the caller then asks the structure pass."""
-        program, input_done = self.program, self.input_done
-        if program.pipelines > 1:
-            return False  # each micro-batch runs at its copy's stages only: the routes are the structure pass's
+        program, input_done, forward_done, grad_done = self.program, self.input_done, self.forward_done, self.grad_done
         values = self.S * self.n_mb
-        if min(self.forward_done, default=0.0) < 0 or max(input_done, default=-1.0) >= 0 or self.odd_pairs:
+        if program.pipelines > 1:
+            # each micro-batch passes its copy's stages only: the checks below over those values, and the others
+            # never touched (an op off its route left a mark there); the copies' sync groups declared
+            if not self._copies_synced():
+                return False
+            on_route, off_route = self._values_by_route()
+            untouched = (-1.0,)
+            if any(forward_done[i] != -1.0 or grad_done[i] != -1.0 or input_done[i] != -1.0 for i in off_route):
+                return False
+            forward_done = [forward_done[i] for i in on_route]
+            grad_done = [grad_done[i] for i in on_route] if not program.forward_only else untouched
+            values = len(on_route)
+        if min(forward_done, default=0.0) < 0 or max(input_done, default=-1.0) >= 0 or self.odd_pairs:
             return False  # a forward never run, an I without its W, or a pair to leave to the structure pass
         if program.forward_only:
-            if max(self.grad_done, default=-1.0) >= 0:
+            if max(grad_done, default=-1.0) >= 0:
                 return False
-        elif min(self.grad_done, default=0.0) < 0:
+        elif min(grad_done, default=0.0) < 0:
             return False
         comm = sum(self.b_hi) - sum(self.b_lo)
         compute = sum(map(len, self.streams)) - comm - self.sync_ops + self.pair_parts
         if compute != values * (1 if program.forward_only else 2) + input_done.count(-2.0):  # + one W per I
             return False
-        where = self.where
-        boundaries = sum(1 for s in range(self.S - 1) if where[s] != where[s + 1])
-        return comm == 2 * boundaries * self.n_mb * (1 if program.forward_only else 2)
+        return comm == 2 * program.crossings() * (1 if program.forward_only else 2)
+
+    def _values_by_route(self) -> tuple[list[int], list[int]]:
+        """The value indices (stage * M + mb) on each micro-batch's route, and the others."""
+        program, n_mb = self.program, self.n_mb
+        on, off = [], []
+        for stage in range(self.S):
+            copy = program.pipeline_of(stage)
+            for mb in range(n_mb):
+                (on if program.route_of(mb) == copy else off).append(stage * n_mb + mb)
+        return on, off
+
+    def _copies_synced(self) -> bool:
+        """Whether, the program having send/recv, each logical stage's copies are a sync group (the structure
+        pass's rule; forward-only: nothing to sum)."""
+        program = self.program
+        if program.forward_only:
+            return True
+        length, declared = program.stages_per_pipeline, set(program.sync_groups)
+        return all(tuple(c * length + s for c in range(program.pipelines)) in declared for s in range(length))
 
     def result(self, costs: Costs, record: bool, input_fraction: float | None) -> SimResult:
         """The report; with ``record``, each rank's batches join its timeline, in time order (a batch before the

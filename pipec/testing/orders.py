@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from pipec.ir import Action, Instruction, Kind, Program, chain_links, loop_placement, v_placement
 from pipec.p2p_rule import consumers, producers, remote_input, remote_output
 from pipec.passes.p2p import insert_p2p_ops
+from pipec.passes.sync import with_copy_syncs
 
 COMPUTE_MUTATIONS = ("swap", "swap_adjacent", "drop", "duplicate", "misplace", "naive_recvs")
 COMM_MUTATIONS = ("swap", "swap_adjacent", "drop", "duplicate", "misplace", "reorder_comms", "sink_recv")
@@ -44,19 +45,25 @@ def placements(ranks: int, chunks: int, rng: random.Random) -> tuple[int, ...]:
 
 
 def random_program(
-    rng: random.Random, max_ranks: int = 4, max_microbatches: int = 5, max_chunks: int = 3
+    rng: random.Random, max_ranks: int = 4, max_microbatches: int = 5, max_chunks: int = 3, pipelines: int = 1
 ) -> Program:
-    """One random valid compute-only program (see the module docstring)."""
+    """One random valid compute-only program (see the module docstring). ``pipelines`` > 1: that many copies of
+    the model (docs/design/replicated.md), each micro-batch routed to a random one; V is raised to make the copies
+    divide the stages. With one pipeline the draws are those of every earlier version."""
     ranks = rng.randint(1, max_ranks)
     chunks = rng.randint(1, max_chunks)
+    while ranks * chunks % pipelines:
+        chunks += 1
     mbs = rng.randint(1, max_microbatches)
     placement = placements(ranks, chunks, rng)
     stages = ranks * chunks
     forward_only = rng.random() < 0.1
     split_share = rng.choice((0.0, 0.5, 1.0))
     split = {(s, m): rng.random() < split_share for s in range(stages) for m in range(mbs)}
+    routes = tuple(rng.randrange(pipelines) for _ in range(mbs)) if pipelines > 1 else ()
+    length = stages // pipelines  # a copy's stages: c * length .. c * length + length - 1
     done: set[Action] = set()
-    ready = [Action(0, Kind.F, m) for m in range(mbs)]
+    ready = [Action((routes[m] if routes else 0) * length, Kind.F, m) for m in range(mbs)]
     streams: list[list[Instruction]] = [[] for _ in range(ranks)]
     backward_done: set[tuple[int, int]] = set()
     while ready:
@@ -65,7 +72,7 @@ def random_program(
         done.add(action)
         stage, kind, mb = action
         if kind is Kind.F:
-            if stage + 1 < stages:
+            if (stage + 1) % length:
                 ready.append(Action(stage + 1, Kind.F, mb))
             elif not forward_only:
                 ready.append(Action(stage, Kind.I if split[(stage, mb)] else Kind.B, mb))
@@ -73,7 +80,7 @@ def random_program(
             backward_done.add((stage, mb))
             if kind is Kind.I:
                 ready.append(Action(stage, Kind.W, mb))
-            if stage > 0:
+            if stage % length:
                 ready.append(Action(stage - 1, Kind.I if split[(stage - 1, mb)] else Kind.B, mb))
     return Program(
         name="random",
@@ -83,12 +90,16 @@ def random_program(
         stage_to_rank=placement,
         streams=tuple(tuple(s) for s in streams),
         forward_only=forward_only,
+        pipelines=pipelines,
+        routes=routes,
     )
 
 
 @st.composite
-def valid_programs(draw, max_ranks: int = 4, max_microbatches: int = 5, max_chunks: int = 3) -> Program:
-    return random_program(draw(st.randoms(use_true_random=False)), max_ranks, max_microbatches, max_chunks)
+def valid_programs(
+    draw, max_ranks: int = 4, max_microbatches: int = 5, max_chunks: int = 3, pipelines: int = 1
+) -> Program:
+    return random_program(draw(st.randoms(use_true_random=False)), max_ranks, max_microbatches, max_chunks, pipelines)
 
 
 def naive_lowering(program: Program) -> Program:
@@ -168,12 +179,13 @@ def mutated(program: Program, rng: random.Random, mutation: str | None = None) -
 
 
 @st.composite
-def broken_programs(draw, lowered: bool | None = None) -> tuple[Program, str]:
-    """A random valid program, lowered by insert_p2p_ops or not, then one random mistake."""
+def broken_programs(draw, lowered: bool | None = None, pipelines: int = 1) -> tuple[Program, str]:
+    """A random valid program, lowered by insert_p2p_ops (with the SYNCs of its copies, if it has several) or not,
+    then one random mistake."""
     rng = draw(st.randoms(use_true_random=False))
-    program = random_program(rng)
+    program = random_program(rng, pipelines=pipelines)
     if lowered if lowered is not None else rng.random() < 0.6:
-        program = insert_p2p_ops(program)
+        program = with_copy_syncs(insert_p2p_ops(program))
     return mutated(program, rng)
 
 

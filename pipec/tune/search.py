@@ -34,6 +34,7 @@ from pipec.compiler import compute_orders, place_p2p
 from pipec.errors import PipecError
 from pipec.ir import MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas, loop_placement, v_placement
 from pipec.passes.p2p import insert_p2p_ops
+from pipec.passes.sync import with_copy_syncs
 from pipec.sim.costs import Costs
 from pipec.sim.simulate import simulate
 from pipec.tune.exact import ExactResult, exact_candidates
@@ -544,7 +545,7 @@ def _quick_score(orders: Program, costs: Costs) -> tuple[float, float] | None:
     run. The second term breaks the plateaus of the makespan: a move that lets work end sooner without delaying
     the last op is progress, and the pair strictly decreases, so the search ends."""
     try:
-        sim = simulate(insert_p2p_ops(orders, costs), costs, p2p="nccl", record=True)
+        sim = simulate(with_copy_syncs(insert_p2p_ops(orders, costs)), costs, p2p="nccl", record=True)
     except PipecError:
         return None
     return sim.makespan, sum(op.end for line in sim.timeline for op in line if not op.is_comm)

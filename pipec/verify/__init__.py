@@ -120,8 +120,9 @@ def _verify(
         lowered_here = p2p in IN_ORDER and not program.has_comms
         if lowered_here:  # positions in the explanations are the lowered program's
             from pipec.passes.p2p import insert_p2p_ops
+            from pipec.passes.sync import with_copy_syncs
 
-            program = insert_p2p_ops(program)
+            program = with_copy_syncs(insert_p2p_ops(program))
             flat = flatten(program, input_fraction, sizes, batched=batched(p2p))
         deadlock = check_deadlock(program, p2p, flat, placed=True if lowered_here else None)
         if p2p in IN_ORDER:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from itertools import pairwise
 
-from pipec.ir import Action, Instruction, Kind, Program, chain_links
+from pipec.ir import Action, Instruction, Kind, Program
 from pipec.passes.sync import member_ranks, sync_stage
 from pipec.verify.flat import RECV_B, RECV_F, SEND_B, SEND_F, B, F, Flat, I, W, flatten
 
@@ -53,7 +53,25 @@ def check_structure(program: Program, flat: Flat | None = None) -> list[str]:
         found.comms.extend(_comms(program, flat))
     if program.sync_groups or any(flat.syncs):
         found.other.extend(_syncs(program, flat))
+    if program.pipelines > 1 and program.has_comms and not program.forward_only:
+        found.other.extend(_unsynced_copies(program))
     return found.render()
+
+
+def _unsynced_copies(program: Program) -> list[str]:
+    """With the send/recv placed (and so the SYNCs: pipec.passes.sync places them after), each logical stage's
+    copies must be summed by a sync group: the copies' weights would drift apart otherwise."""
+    length, declared = program.stages_per_pipeline, set(program.sync_groups)
+    out = []
+    for stage in range(length):
+        copies = tuple(c * length + stage for c in range(program.pipelines))
+        if copies not in declared:
+            out.append(
+                f"the copies {copies} of stage {stage} are summed by no sync group: their weights would drift apart "
+                f"(declare `sync G: {' '.join(map(str, copies))}` with its SYNCs, or give pipec the compute orders "
+                "alone: it places the SYNCs)"
+            )
+    return out
 
 
 def _off_route(program: Program) -> list[str]:
@@ -296,18 +314,7 @@ def _comms_at_a_glance(program: Program, flat: Flat) -> bool:
     if program.forward_only and any(k & 7 >= SEND_B for k in keys):
         return False
     # each pair is a distinct edge between stages on different ranks; as many as there are such edges: all there
-    return len(keys) == 2 * _messages(program)
-
-
-def _messages(program: Program) -> int:
-    """How many messages the step sends: per micro-batch, one per rank boundary of its copy's chain (two with the
-    backward's)."""
-    placement, has_next = program.stage_to_rank, chain_links(program.num_stages, program.pipelines)[0]
-    crossing = [has_next[s] and placement[s] != placement[s + 1] for s in range(program.num_stages)]
-    length = program.stages_per_pipeline
-    per_copy = [sum(crossing[c * length : (c + 1) * length]) for c in range(program.pipelines)]
-    routed = sum(per_copy[program.route_of(mb)] for mb in range(program.microbatches))
-    return routed * (1 if program.forward_only else 2)
+    return len(keys) == 2 * program.crossings() * (1 if program.forward_only else 2)
 
 
 def _comms(program: Program, flat: Flat) -> list[str]:
@@ -324,15 +331,21 @@ def _comms(program: Program, flat: Flat) -> list[str]:
         stage = (key >> 3) // flat.mbs
         peer_stage = stage + stage_offset[code]
         partner = key + partner_offset[code]
-        in_chain = 0 <= peer_stage <= last and peer_stage // length == stage // length  # not past a copy's end
-        if not in_chain or partner not in where or count.get(key, 1) != count.get(partner, 1):
+        if 0 <= peer_stage <= last and peer_stage // length != stage // length:  # past the end of a copy's chain
+            end = "last" if peer_stage > stage else "first"
+            out.append(
+                f"{name(key)}: stage {stage} is the {end} of copy {stage // length}'s chain, which hands nothing to "
+                f"stage {peer_stage} (copy {peer_stage // length}'s)"
+            )
+        elif not 0 <= peer_stage <= last or partner not in where or count.get(key, 1) != count.get(partner, 1):
             out.append(f"{name(key)} has no matching {_text(peer_stage, partner, flat)}")
         elif stage <= last and placement[stage] == placement[peer_stage]:
             out.append(
                 f"{name(key)}: stages {stage} and {peer_stage} both live on rank {placement[stage]}, "
                 "so nothing is sent between them"
             )
-    if not out and not flat.duplicates and len(flat.comm_keys) == 2 * _messages(program):
+    messages = program.crossings() * (1 if program.forward_only else 2)
+    if not out and not flat.duplicates and len(flat.comm_keys) == 2 * messages:
         return out  # every send/recv is paired and there are as many as edges between ranks: none is missing
     key = flat.key
     for stage in range(last):

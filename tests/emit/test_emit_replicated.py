@@ -79,3 +79,24 @@ def test_torch_csv_refuses_copies_saying_why(tmp_path: Path) -> None:
     code, out, err = run_main(["compile", str(path), "--format", "torch-csv"])
     assert code == 2 and not out
     assert "2 pipelines (copies of the model)" in err and "no cross-stage all-reduce" in err
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("pipelines 2\npipelines 2\nrank 0: 0F0 1F0 1B0 0B0\n", "'pipelines' is given twice \\(first on line 1\\)"),
+        ("rank 0: 0F0 1F0 1B0 0B0\npipelines 2\n", "'pipelines C' must come before the 'rank' lines"),
+        ("pipelines 0\nrank 0: 0F0 0B0\n", "'pipelines' must be at least 1"),
+        ("pipelines 3\nrank 0: 0F0 1F0 1B0 0B0\n", "2 stages do not split into 3 pipelines"),
+    ],
+)
+def test_the_pipelines_line_is_checked(text: str, message: str) -> None:
+    with pytest.raises(PipecSyntaxError, match=message):
+        load_text(text)
+
+
+def test_two_copies_on_one_rank_read_their_routes_from_the_ops() -> None:
+    """One rank, two copies of one stage each: micro-batch 0 through copy 0 (stage 0), 1 through copy 1 (stage 1)."""
+    program = load_text("pipelines 2\nrank 0: 0F0 1F1 1B1 0B0\n")
+    assert (program.pipelines, program.routes, program.num_stages) == (2, (0, 1), 2)
+    assert program.check().ok

@@ -305,3 +305,28 @@ def test_the_v_rules_never_get_stuck_under_other_costs(costs: str) -> None:
     for ranks, mbs in ((3, 9), (6, 12), (8, 16)):
         for name in ("v_min", "v_half"):
             _run(name, ranks, mbs, model)
+
+
+@pytest.mark.parametrize("rules", [ONE_F_ONE_B, ZB], ids=["1f1b", "zb"])
+def test_replicated_copies_take_only_their_routed_micro_batches(rules: Rules) -> None:
+    """Two copies in opposite directions (DualPipe's placement): each stage's counters walk the micro-batches routed
+    to its copy, so the orders verify with the copies' SYNCs and each copy runs its half of the micro-batches."""
+    ranks, microbatches = 4, 8
+    template = Program(
+        name="two-copies",
+        ranks=ranks,
+        microbatches=microbatches,
+        chunks=2,
+        stage_to_rank=ir.v_placement(ranks, 2 * ranks),
+        streams=((),) * ranks,
+        pipelines=2,
+        routes=(0,) * 4 + (1,) * 4,
+    )
+    program = list_schedule(template, rules)
+    for stream in program.streams:
+        for action in stream:
+            assert action.stage // ranks == template.route_of(action.mb), action
+    placed = place_p2p(program)
+    assert placed.sync_groups == ((0, 4), (1, 5), (2, 6), (3, 7))
+    report = verify(placed, p2p="nccl")
+    assert report.ok, report.render()

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pair_grid import MIXES, max_idle, mix_spec
 
 import pipec
 from pipec.errors import PipecInputError
@@ -47,25 +48,14 @@ def test_pair_duration_is_fb_for_f_and_b_and_the_same_share_for_f_and_i() -> Non
     assert pair_duration((f0, b1), 4.0, table, None) == 4.0  # no FB: the sum of the halves
 
 
-def _max_idle(name: str, ranks: int, microbatches: int, spec: str, p2p: str) -> float:
-    program = pipec.compile(name, ranks, microbatches, 2, comms=False)
-    result = simulate(program, parse_costs(spec), p2p=p2p)
-    return max(result.makespan - busy for busy in result.busy)
-
-
-# the grid docs/simulator.md names: I = F (B = F + W, the papers' T_F = T_B), W <= F, B <= FB <= F + B
-MIXES = [(1, 1, 0.0), (1, 1, 0.5), (1, 0.5, 1.0), (2, 1, 0.0), (2, 1, 0.7), (3, 1.5, 0.3), (3, 3, 1.0)]
-
-
 @pytest.mark.parametrize("p2p", ["nccl", "ideal"])
 @pytest.mark.parametrize(("ranks", "microbatches"), [(2, 4), (3, 7), (4, 8), (4, 16), (6, 18), (8, 16)])
 def test_dualpipev_bubble_is_the_published_form(ranks: int, microbatches: int, p2p: str) -> None:
+    program = pipec.compile("dualpipev", ranks, microbatches, 2, comms=False)
     for forward, weight, hidden in MIXES:
-        backward = forward + weight
-        pair = backward + hidden * forward
-        spec = f"F={forward},B={backward},W={weight},FB={pair}"
+        spec, backward, pair = mix_spec(forward, weight, hidden)
         published = (ranks - 1) * (pair + backward - 3 * weight)
-        assert _max_idle("dualpipev", ranks, microbatches, spec, p2p) == pytest.approx(published, abs=1e-9), spec
+        assert max_idle(program, spec, p2p) == pytest.approx(published, abs=1e-9), spec
 
 
 def test_without_fb_a_pair_costs_its_halves_and_fb_shortens_the_step() -> None:

@@ -88,3 +88,33 @@ def test_a_single_chain_is_what_it_was() -> None:
     assert program.pipelines == 1 and not program.sync_groups
     assert not any(a.kind is Kind.SYNC for stream in program.streams for i in stream for a in i.parts)
     assert Action(3, Kind.SEND_F, 0) not in program.streams[3]
+
+
+def test_copies_that_no_group_sums_are_refused_once_the_send_recv_are_placed(tmp_path: Path) -> None:
+    """A stream file of two copies with its send/recv but no SYNCs would train two drifting models."""
+    path = tmp_path / "dualpipe.txt"
+    path.write_text(dualpipe_text(next(o for p, m, o in dualpipe_cases() if (p, m) == (4, 8))))
+    synced = pipec.compile(str(path))
+    unsynced = replace(
+        synced,
+        streams=tuple(tuple(i for i in s if i.parts[0].kind is not Kind.SYNC) for s in synced.streams),
+        sync_groups=(),
+    )
+    problems = check_structure(unsynced)
+    assert len(problems) == 4
+    assert problems[0].startswith("the copies (0, 4) of stage 0 are summed by no sync group")
+    # the compute orders alone: the verifier lowers them with the copies' SYNCs, as the compiler does
+    orders = pipec.load(str(path))
+    assert not orders.has_comms and orders.check().ok
+
+
+def test_a_message_across_two_copies_chains_is_refused_naming_the_chain_end(tmp_path: Path) -> None:
+    """Copy 0's last stage hands nothing on: a send from it to copy 1's first stage is named as such."""
+    path = tmp_path / "dualpipe.txt"
+    path.write_text(dualpipe_text(next(o for p, m, o in dualpipe_cases() if (p, m) == (4, 8))))
+    program = pipec.compile(str(path))
+    # rank 3 holds stage 3 (copy 0's last) and stage 4 (copy 1's first): a send of stage 3's output as if to 4
+    streams = list(program.streams)
+    streams[3] = (*streams[3], Action(3, Kind.SEND_F, 0))
+    problems = check_structure(replace(program, streams=tuple(streams)))
+    assert "3SEND_F0: stage 3 is the last of copy 0's chain, which hands nothing to stage 4 (copy 1's)" in problems

@@ -100,6 +100,8 @@ FORMULAS = {
     "interleaved_1f1b": lambda p, m, v, r: min((p - r - 1) * 2 + (v - 1) * p + 1, v * m) if m % p == 0 else None,
     "interleaved_zb": lambda p, m, v, r: min(v * p, v * m) if m % p == 0 else None,
     "dualpipev": lambda p, m, v, r: 2 * p + (1 if r == p - 1 else 0),
+    # DualPipe's README: PP + 1 (a stage is 1/P of the model, our unit), on the two middle ranks; P on the others
+    "dualpipe": lambda p, m, v, r: p + (1 if r in (p // 2 - 1, p // 2) else 0),
     # the choose schedules' limits (defaults): the paper's V-Half and V-Min memory, in chunk units, and 1F1B's
     "v_half": lambda p, m, v, r: 2 * ((p + 2) // 2),
     "v_min": lambda p, m, v, r: 2 * ((p + 4) // 3),

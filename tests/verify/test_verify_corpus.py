@@ -1,6 +1,6 @@
 """The corpus of hand-written bad schedules: each is rejected with exit 1 and the explanation written beside it.
 
-tests/bad_schedules/NAME.{csv,pipe} is checked with `pipec check NAME.{csv,pipe}` from that folder (so that the
+tests/bad_schedules/NAME.{csv,pipe,txt} is checked with `pipec check NAME.{csv,pipe,txt}` from that folder (so that the
 explanations name `NAME.pipe`, not a path); NAME.expected holds `# comments`, an optional `args: ...` line (extra
 command-line arguments), an optional `first: ...` line and lines that must each appear verbatim in the output.
 
@@ -21,7 +21,7 @@ from paths import ROOT, TESTS
 from pipec.cli import main
 
 CORPUS = TESTS / "bad_schedules"
-CASES = sorted(p for p in CORPUS.iterdir() if p.suffix in (".csv", ".pipe"))
+CASES = sorted(p for p in CORPUS.iterdir() if p.suffix in (".csv", ".pipe", ".txt"))
 _CULPRIT = re.compile(r"rank \d+'s \S+")
 
 
@@ -43,10 +43,10 @@ def _expectation(case: Path) -> tuple[list[str], list[str], str | None]:
 
 def test_corpus_is_not_empty() -> None:
     assert len(CASES) >= 8
-    assert {p.suffix for p in CASES} == {".csv", ".pipe"}
+    assert {p.suffix for p in CASES} == {".csv", ".pipe", ".txt"}
     deadlocks = [case for case in CASES if _expectation(case)[2] is not None]
     assert len(deadlocks) >= 16  # swapped ops, warm-ups too short and too long, V shapes, literal lists, streams
-    assert {p.suffix for p in deadlocks} == {".csv", ".pipe"}
+    assert {p.suffix for p in deadlocks} == {".csv", ".pipe", ".txt"}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[p.name for p in CASES])

@@ -53,7 +53,7 @@ def library_best(ranks: int, microbatches: int, costs_map: dict, limit: float) -
             except PipecError:
                 continue  # the schedule refuses this V or size
             if program.forward_only or program.num_stages != ranks * v or program.pipelines > 1:
-                continue  # tune takes neither forward-only nor replicated schedules (test_tune_replicated.py)
+                continue  # tune leaves out replicated copies too (pipec.tune.space: their stage is C/V of a share)
             report = verify(program, memory_limit=limit, stage_sizes=share_stage_sizes(None, ranks, v))
             if not report.ok:
                 continue

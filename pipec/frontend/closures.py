@@ -498,7 +498,6 @@ class Compiler:
             return forward_routed if self.routed else forward
 
         is_input = kind is Kind.I
-        routed = self.routed
 
         def backward(st: RankState) -> Action:
             c = chunk_of(st)
@@ -507,12 +506,24 @@ class Compiler:
             else:
                 mb = st.backward_count[c]
                 st.backward_count[c] = mb + 1
-                action = Action(st.stages[c], kind, st.routed_microbatch(c, mb) if routed else mb)
+                action = Action(st.stages[c], kind, mb)
             if is_input:
                 st.enqueue_weight(c, action)
             return action
 
-        return backward
+        def backward_routed(st: RankState) -> Action:
+            c = chunk_of(st)
+            if at_fn is not None:
+                action = Action(st.stages[c], kind, at_fn(st))
+            else:
+                k = st.backward_count[c]
+                st.backward_count[c] = k + 1
+                action = Action(st.stages[c], kind, st.routed_microbatch(c, k))
+            if is_input:
+                st.enqueue_weight(c, action)
+            return action
+
+        return backward_routed if self.routed else backward
 
     def op(self, o: ast.OpRef) -> Callable[[RankState], None]:
         make = self.action(o)

@@ -79,3 +79,16 @@ def test_chimeras_memory_is_the_papers_range() -> None:
     for ranks in (2, 4, 8):
         bound = pipec.compile("chimera", ranks, 2 * ranks, 2, comms=False).memory_bound
         assert bound is not None and (min(bound), max(bound)) == (ranks // 2 + 1, ranks)
+
+
+def test_chimeras_bubble_is_the_papers_ratio() -> None:
+    """The paper's bubble ratio for Chimera, (D - 2) / (2N + D - 2), reproduced by the simulator with forward and
+    backward of equal length (the unit slots of its figures and of the authors' generator), basic units directly
+    concatenated for N > D."""
+    from pipec.sim import parse_costs, simulate
+
+    costs = parse_costs("F=1,B=1,W=1")
+    for ranks, microbatches in ((4, 4), (4, 8), (6, 12), (8, 8), (8, 32)):
+        result = simulate(pipec.compile("chimera", ranks, microbatches, 2, costs=costs), costs)
+        expected = (ranks - 2) / (2 * microbatches + ranks - 2)
+        assert result.bubble_fraction == pytest.approx(expected), (ranks, microbatches)

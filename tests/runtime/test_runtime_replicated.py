@@ -1,16 +1,18 @@
 """Replicated pipelines through `pipec run` (#22 item 5): DualPipe (DeepSeek-V3) and Chimera (Li & Hoefler) hold
-two copies of the model over the same ranks, copy 0 running micro-batches 0 .. M/2-1 down from rank 0, copy 1 the
-rest up from rank P-1; the copies' SYNCs sum their gradients. Checked against one process training the whole
-model on each full batch (written without pipec's runtime), 3 steps:
+copies of the model over the same ranks (dualpipe: copy 0 runs micro-batches 0 .. M/2-1 down from rank 0, copy 1
+the rest up from rank P-1; chimera: alternating pairs), and the copies' SYNCs sum their gradients. Checked, after
+3 steps, against one process training the whole model (written without pipec's runtime; each batch's
+micro-batches accumulated, test_runtime_dp.reference):
 
-- dualpipe and chimera at P=4, M=8 on 4 gloo ranks, on the bundled transformer example
-  (examples/workload.py:causal_transformer, AdamW) and on a model not written for them (a tiny GPT-2 from
-  Hugging Face's code through pipec.hf, whose tied embeddings make per-parameter sync groups over all four of
-  their stages): every weight within 1e-5, and after EVERY step each stage of copy 1 bitwise equal to copy 0's;
+- dualpipe and chimera at P=4, M=8 on 4 gloo ranks (chimera also with V = 4 pipelines: four copies), on the
+  bundled transformer example (examples/workload.py:causal_transformer, AdamW) and on a model not written for
+  them (a tiny GPT-2 from Hugging Face's code through pipec.hf, against the HF model's own forward; its tied
+  embeddings make per-parameter sync groups over all four of their stages): every weight within 1e-5, each
+  step's loss that of one process, and after EVERY step each stage of every copy bitwise equal to copy 0's;
 - `--dp 2` (dualpipe P=2 x 2 replicas), both copies of each stage on one rank (one set of layers, no SYNC), and a
-  checkpoint written by dualpipe resumed by chimera;
+  checkpoint written by dualpipe (one model, the unsplit model's keys) resumed by chimera;
 - `pipec run` of DeepSeek's own DualPipe order (tests/reference/deepseek_dualpipe_orders.json.gz as a stream
-  file): exit 0, `--save` writes one model (the keys of the unsplit model), the report's sync time per rank.
+  file): exit 0, `--save` writes one model, the report's sync time per rank; `pipec.torch` refuses it.
 One spawn of 4 workers runs every in-process config in turn, to share the start-up.
 """
 
@@ -39,28 +41,30 @@ TRANSFORMER = "examples.workload:causal_transformer"
 MLP = "workloads:mlp"
 GPT2 = hf_workloads.spec("gpt2")
 STEPS, TOLERANCE = 3, 1e-5
-# key -> (schedule, P, M, Options fields); "copies" runs are stepped here, every copy compared after each step
+# key -> (schedule, P, M, V, Options fields); the COPIED runs are also stepped here, every copy compared after each
+# step. Chimera's V is its number of pipelines: V = 4, four copies over the 4 ranks.
 CONFIGS = {
-    "dualpipe-transformer": ("dualpipe", 4, 8, {"model": TRANSFORMER}),
-    "chimera-transformer": ("chimera", 4, 8, {"model": TRANSFORMER}),
-    "dualpipe-gpt2": ("dualpipe", 4, 8, {"model": GPT2}),
-    "chimera-gpt2": ("chimera", 4, 8, {"model": GPT2}),
-    "dualpipe-dp": ("dualpipe", 2, 4, {"model": MLP, "dp": 2}),
+    "dualpipe-transformer": ("dualpipe", 4, 8, 2, {"model": TRANSFORMER}),
+    "chimera-transformer": ("chimera", 4, 8, 2, {"model": TRANSFORMER}),
+    "chimera4-transformer": ("chimera", 4, 8, 4, {"model": TRANSFORMER}),
+    "dualpipe-gpt2": ("dualpipe", 4, 8, 2, {"model": GPT2}),
+    "chimera-gpt2": ("chimera", 4, 8, 2, {"model": GPT2}),
+    "dualpipe-dp": ("dualpipe", 2, 4, 2, {"model": MLP, "dp": 2}),
 }
-COPIED = ("dualpipe-transformer", "chimera-transformer", "dualpipe-gpt2", "chimera-gpt2")
+COPIED = ("dualpipe-transformer", "chimera-transformer", "chimera4-transformer", "dualpipe-gpt2", "chimera-gpt2")
 # Both copies of each stage on one rank (copy 1 down the same ranks, as a second GPipe): one set of layers there,
 # the copies' gradients accumulated into it, no SYNC at all; run with --dp 2 on the spawn's 4 processes
 SAME_RANK = "pipelines 2\nrank 0: 0F0 0F1 2F2 2F3 2B2 2B3 0B0 0B1\nrank 1: 1F0 1F1 3F2 3F3 3B2 3B3 1B0 1B1\n"
 
 
-def _step_and_compare_copies(schedule: str, ranks: int, microbatches: int, spec: str) -> dict:
+def _step_and_compare_copies(schedule: str, ranks: int, microbatches: int, chunks: int, spec: str) -> dict:
     """In every worker: the runtime's Runner stepped STEPS times; after each step every rank's stages' parameters
     gathered, and each stage of copies 1 .. C-1 compared with its copy 0 bitwise. Returns copy 0's weights
     (this rank's), the parameters compared and the stages that differed, per step."""
     from pipec.runtime.objects import all_gather_objects
     from pipec.runtime.runner import Runner
 
-    program = pipec.compile(schedule, ranks, microbatches)
+    program = pipec.compile(schedule, ranks, microbatches, chunks)
     work = workload.build(spec, 0)
     runner = Runner.setup(program, work)
     length = program.stages_per_pipeline
@@ -83,11 +87,11 @@ def _train_all(folder: str) -> dict:
     from pipec.runtime.worker import train
 
     out = {}
-    for key, (schedule, ranks, microbatches, fields) in CONFIGS.items():
-        program = pipec.compile(schedule, ranks, microbatches)
+    for key, (schedule, ranks, microbatches, chunks, fields) in CONFIGS.items():
+        program = pipec.compile(schedule, ranks, microbatches, chunks)
         out[key] = train(program, Options(steps=STEPS, quiet=True, **fields))
         if key in COPIED:
-            out[key]["copies"] = _step_and_compare_copies(schedule, ranks, microbatches, fields["model"])
+            out[key]["copies"] = _step_and_compare_copies(schedule, ranks, microbatches, chunks, fields["model"])
     same_rank = pipec.compile(os.path.join(folder, "same_rank.txt"))
     out["same-rank"] = train(same_rank, Options(model=MLP, steps=STEPS, quiet=True, dp=2))
     where = os.path.join(folder, "ck")
@@ -148,7 +152,7 @@ def merged(per_rank: list[dict], key: str, part=lambda result: result["weights"]
 
 @pytest.mark.parametrize("key", list(CONFIGS))
 def test_replicated_schedules_train_like_one_process(per_rank: list[dict], key: str) -> None:
-    _, ranks, microbatches, fields = CONFIGS[key]
+    _, ranks, microbatches, _, fields = CONFIGS[key]
     replicas = fields.get("dp", 1)
     for replica in range(replicas):  # each replica holds the whole model: copy 0 of it
         weights = merged(per_rank, key, ranks=range(replica * ranks, (replica + 1) * ranks))

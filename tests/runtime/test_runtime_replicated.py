@@ -12,7 +12,8 @@ micro-batches accumulated, test_runtime_dp.reference):
 - `--dp 2` (dualpipe P=2 x 2 replicas), both copies of each stage on one rank (one set of layers, no SYNC), and a
   checkpoint written by dualpipe (one model, the unsplit model's keys) resumed by chimera;
 - `pipec run` of DeepSeek's own DualPipe order (tests/reference/deepseek_dualpipe_orders.json.gz as a stream
-  file): exit 0, `--save` writes one model, the report's sync time per rank; `pipec.torch` refuses it.
+  file) on the transformer and `pipec run chimera -P 4 -M 8` on the GPT-2: exit 0, `--save` writes one model (the
+  tied weight once), the report's sync time per rank; `pipec.torch` refuses a replicated program.
 One spawn of 4 workers runs every in-process config in turn, to share the start-up.
 """
 
@@ -206,23 +207,38 @@ def test_the_sync_groups_are_per_parameter_over_ties_and_copies() -> None:
         assert verify(synced, p2p="nccl").ok
 
 
+def pipec_run(folder, *arguments: str) -> tuple[str, dict, dict]:
+    """`pipec run ... --steps 3 --save w.pt --report r.json` in `folder` (exit 0): its output, the saved weights and
+    the report."""
+    # the examples folder's module from the checkout's root (as `python -m` would find it there)
+    path = os.pathsep.join([str(SUPPORT), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "pipec", "run", *arguments, "--steps", str(STEPS), "--save", "w.pt",
+               "--report", "r.json"]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=path)
+    done = subprocess.run(on_gloo(command), cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr + done.stdout
+    report = json.loads((folder / "r.json").read_text())
+    assert [row["sync_s"] > 0 for row in report["ranks"]] == [True] * 4  # every rank syncs its copies
+    assert "sync_s" in done.stdout  # the printed table's column
+    return done.stdout, torch.load(folder / "w.pt", weights_only=True), report
+
+
 def test_pipec_run_trains_deepseeks_own_dualpipe_order_and_saves_one_model(tmp_path) -> None:
     """DeepSeek's own DualPipe order at P=4, M=8 (tests/reference, recorded from dualpipe.py) as a stream file."""
     streams = tmp_path / "deepseek_dualpipe.txt"
     streams.write_text(deepseek_orders.dualpipe_text(deepseek_orders.reference("dualpipe")["4,8"]))
-    # the examples folder's module from the checkout's root (as `python -m` would find it there)
-    path = os.pathsep.join([str(SUPPORT), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])
-    command = [sys.executable, "-m", "pipec", "run", str(streams), "--model", TRANSFORMER, "--steps", str(STEPS),
-               "--save", "w.pt", "--report", "r.json"]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=path)
-    done = subprocess.run(on_gloo(command), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr + done.stdout
-    assert "copies: stages 0, 4 on ranks 0, 3: one stage's 25 parameter tensors" in done.stdout, done.stdout
-    assert "sync_s" in done.stdout
-    saved = torch.load(tmp_path / "w.pt", weights_only=True)
+    out, saved, _ = pipec_run(tmp_path, str(streams), "--model", TRANSFORMER)
+    assert "copies: stages 0, 4 on ranks 0, 3: one stage's 25 parameter tensors" in out, out
+    assert list(saved) == list(workload.build(TRANSFORMER, 0).layers.state_dict())  # one model, in layer order
     assert worst(TRANSFORMER, saved) < TOLERANCE
-    report = json.loads((tmp_path / "r.json").read_text())
-    assert [row["sync_s"] > 0 for row in report["ranks"]] == [True] * 4
+
+
+def test_pipec_run_chimera_trains_a_tied_gpt2_and_saves_its_tied_weight_once(tmp_path) -> None:
+    out, saved, _ = pipec_run(tmp_path, "chimera", "-P", "4", "-M", "8", "--model", GPT2)
+    assert "(stages 0, 3, 4, 7 on ranks 0, 3): one parameter, its gradient summed by SYNC" in out, out
+    embedding, head = saved[hf_workloads.EMBEDDING], saved[hf_workloads.HEAD]
+    assert embedding.untyped_storage().data_ptr() == head.untyped_storage().data_ptr()  # stored once
+    assert hf_workloads.worst_difference("gpt2", saved) < TOLERANCE
 
 
 def test_torchs_own_runtime_is_refused_a_replicated_program() -> None:

@@ -40,7 +40,8 @@ def agree(
     sizes = None
     if rank == 0 or partition != "profile":
         # into the L stages of one copy (a replicated program's copies are the same model)
-        sizes = stages.partition(work.layers, program.stages_per_pipeline, partition, sample, device)  # profiled there
+        length, copies = program.stages_per_pipeline, program.pipelines
+        sizes = stages.partition(work.layers, length, partition, sample, device, copies)  # profiled on rank 0
     label = f"{program.name} P={program.ranks} M={program.microbatches} V={program.chunks}"
     if dp > 1:
         label += f" --dp {dp}"

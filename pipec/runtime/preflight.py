@@ -31,7 +31,7 @@ def validate(program: Program, options: Options) -> Options:
     sizes = None
     length = program.stages_per_pipeline  # the stages of one copy of the model (all of them with one pipeline)
     if options.partition != "profile":
-        sizes = stages.partition(work.layers, length, options.partition)
+        sizes = stages.partition(work.layers, length, options.partition, copies=program.pipelines)
     elif len(work.layers) < length:
         stages.optimal_partition([1.0] * len(work.layers), length)
     dtype = stages.compute_dtype(options.dtype)

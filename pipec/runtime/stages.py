@@ -48,14 +48,17 @@ def optimal_partition(weights: Sequence[float], parts: int) -> tuple[int, ...]:
     return tuple(reversed(sizes))
 
 
-def parse_partition(text: str, layers: int, stages: int) -> tuple[int, ...]:
+def parse_partition(text: str, layers: int, stages: int, copies: int = 1) -> tuple[int, ...]:
+    """Explicit layer counts, one per stage of one copy of the model (`copies`: a replicated schedule's)."""
     try:
         sizes = tuple(int(part) for part in text.split(","))
     except ValueError:
         raise PipecInputError(f"--partition {text!r}: expected params, profile or layer counts like 4,4,4,4") from None
     if len(sizes) != stages or any(s < 1 for s in sizes) or sum(sizes) != layers:
+        counted = f" (one per stage of one of the schedule's {copies} copies of the model)" if copies > 1 else ""
         raise PipecInputError(
-            f"--partition {text}: expected {stages} positive layer counts summing to {layers} (the model's layers)"
+            f"--partition {text}: expected {stages} positive layer counts{counted} summing to {layers} (the model's "
+            "layers)"
         )
     return sizes
 
@@ -107,14 +110,14 @@ def layer_weights_by_profile(layers, sample, repeats: int = 5, device=None) -> l
     return weights
 
 
-def partition(layers, stages: int, how: str = "params", sample=None, device=None) -> tuple[int, ...]:
+def partition(layers, stages: int, how: str = "params", sample=None, device=None, copies: int = 1) -> tuple[int, ...]:
     """Layers per stage: by parameter count, by profile (on `device`, see `layer_weights_by_profile`) or as
-    given."""
+    given. `stages`: those of one copy of the model (a replicated schedule has `copies` of it)."""
     if how == "params":
         return optimal_partition(layer_weights_by_params(layers), stages)
     if how == "profile":
         return optimal_partition(layer_weights_by_profile(layers, sample, device=device), stages)
-    return parse_partition(how, len(layers), stages)
+    return parse_partition(how, len(layers), stages, copies)
 
 
 @dataclass

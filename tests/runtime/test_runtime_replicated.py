@@ -249,3 +249,13 @@ def test_torchs_own_runtime_is_refused_a_replicated_program() -> None:
 
     with pytest.raises(PipecInputError, match="runs 2 copies of the model"):
         compile_for_torch("dualpipe", 4, 8, 2)
+
+
+def test_an_explicit_partition_counts_the_stages_of_one_copy(capsys) -> None:
+    """dualpipe at P=4 has 8 stages, two copies of 4: --partition gives one copy's 4 (before any worker starts)."""
+    from pipec.cli import main as cli_main
+
+    command = ["run", "dualpipe", "-P", "4", "-M", "8", "--model", MLP, "--partition", "2,2,2,2,2,2,2,2"]
+    assert cli_main(command) == 2
+    expected = "expected 4 positive layer counts (one per stage of one of the schedule's 2 copies of the model)"
+    assert expected in capsys.readouterr().err

@@ -227,8 +227,10 @@ def test_pipec_run_trains_deepseeks_own_dualpipe_order_and_saves_one_model(tmp_p
     """DeepSeek's own DualPipe order at P=4, M=8 (tests/reference, recorded from dualpipe.py) as a stream file."""
     streams = tmp_path / "deepseek_dualpipe.txt"
     streams.write_text(deepseek_orders.dualpipe_text(deepseek_orders.reference("dualpipe")["4,8"]))
-    out, saved, _ = pipec_run(tmp_path, str(streams), "--model", TRANSFORMER)
+    out, saved, report = pipec_run(tmp_path, str(streams), "--model", TRANSFORMER)
     assert "copies: stages 0, 4 on ranks 0, 3: one stage's 25 parameter tensors" in out, out
+    # the measured costs describe one copy of the model as P segments (the median over its copies), and a SYNC
+    assert [len(report["costs"][kind]) for kind in "FIW"] == [4, 4, 4] and report["costs"]["sync"] > 0
     assert list(saved) == list(workload.build(TRANSFORMER, 0).layers.state_dict())  # one model, in layer order
     assert worst(TRANSFORMER, saved) < TOLERANCE
 

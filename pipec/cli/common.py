@@ -156,7 +156,8 @@ def share_args(parser: argparse.ArgumentParser) -> None:
         "--per-rank-share",
         action="store_true",
         help="costs and memory are per rank share of the model (the model as P segments): a chunk of a V-chunk "
-        "schedule takes 1/V of F, B, I, W and holds 1/V of an activation unit; per-stage lists (cost file, "
+        "schedule takes 1/V of F, B, I, W and holds 1/V of an activation unit (C/V with C copies of the model, "
+        "`pipelines C`); per-stage lists (cost file, "
         "--stage-sizes) have P entries; --memory-limit and peaks count whole micro-batches of a rank's share",
     )
 

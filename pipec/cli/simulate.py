@@ -118,7 +118,7 @@ def compare_schedules(args: argparse.Namespace) -> int:
         return code
     lines = [
         f"{len(rows)} schedules, {sizes + ', ' if sizes else ''}costs {costs.describe()} per rank share of the "
-        f"model (a chunk of V takes 1/V), p2p {args.p2p}"
+        f"model (a chunk of V takes 1/V, C/V with C copies), p2p {args.p2p}"
     ]
     in_bytes = args.activation_bytes is not None
     table = [("schedule", "V", "makespan", "bubble", "peak_memory", *(["peak_bytes"] if in_bytes else []))]

@@ -222,7 +222,7 @@ def certificate_text(result: TuneResult) -> str:
     if copies > 1:  # the solver orders one copy of the model: its bound says nothing of C copies
         return (
             f"lower bound {bound:g} over {space} for one copy of the model (CP-SAT; per shape {per}); the best "
-            f"runs {copies} copies (a library schedule, outside that space){relaxed}"
+            f"runs {copies} copies (a library schedule's order, outside that space){relaxed}"
         )
     if cert.optimal(makespan):
         return f"proved optimal: no schedule of {space} is faster than {bound:g} (CP-SAT; per shape {per}){relaxed}"
@@ -254,10 +254,11 @@ def _certificate_json(result: TuneResult) -> dict:
     if cert is None:
         return {"lower_bound": None, "optimal": False, "gap": None, "bound": None}
     bound = cert.bound
+    one_copy = best is None or best.program is None or best.program.pipelines == 1  # what the bound is about
     return {
         "lower_bound": None if bound is None or bound == float("inf") else bound,
-        "optimal": cert.optimal(makespan),
-        "gap": cert.gap(makespan),
+        "optimal": one_copy and cert.optimal(makespan),
+        "gap": cert.gap(makespan) if one_copy else None,
         "bound": {
             "solver": None if cert.skipped else "cp-sat",
             "skipped": cert.skipped or None,

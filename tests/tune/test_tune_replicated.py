@@ -18,7 +18,7 @@ import pipec
 from pipec.ir import Kind
 from pipec.sim.costs import parse_costs
 from pipec.tune import Setting, schedule_text, tune
-from pipec.tune.output import certificate_text
+from pipec.tune.output import candidates_json, certificate_text
 from pipec.tune.search import evaluate
 from pipec.tune.space import draws, library_sources
 
@@ -80,6 +80,8 @@ def test_the_one_copy_bound_is_not_claimed_for_copies() -> None:
     assert result.best is not None and result.best.name == "chimera"  # 24: no bubble, four copies
     text = certificate_text(result)
     assert "proved optimal" not in text
+    data = candidates_json(result, None)
+    assert data["optimal"] is False and data["gap"] is None
     if result.certificate is not None and not result.certificate.skipped and result.certificate.bound is not None:
         assert "for one copy of the model" in text and "runs 4 copies" in text
 

@@ -87,8 +87,9 @@ def compute_orders(
         from pipec.sim.costs import per_rank_share as share_costs
         from pipec.verify.memory import share_stage_sizes
 
-        costs = share_costs(costs if costs is not None else Costs(), template.ranks, template.chunks)
-        sizes = share_stage_sizes(sizes, template.ranks, template.chunks)
+        copies = template.pipelines
+        costs = share_costs(costs if costs is not None else Costs(), template.ranks, template.chunks, copies)
+        sizes = share_stage_sizes(sizes, template.ranks, template.chunks, copies)
     scheduler = _list_scheduler(found.template, costs, input_fraction, sizes)
     return run_choose(found, scheduler, memory_limit, share=per_rank_share)
 

@@ -47,8 +47,8 @@ def run(args: argparse.Namespace) -> int:
     p = program
     print(f"{p.name}: P={p.ranks} M={p.microbatches} V={p.chunks}, {p.num_stages} stages, p2p model {args.p2p}")
     print(report.render())
-    if p.chunks > 1 and not args.per_rank_share:
-        print(stage_units_note(p.chunks, max(report.peak_memory, default=0.0)))
+    if (p.chunks > 1 or p.pipelines > 1) and not args.per_rank_share:
+        print(stage_units_note(p.chunks, max(report.peak_memory, default=0.0), p.pipelines))
     return EXIT_OK if report.ok else EXIT_INVALID
 
 

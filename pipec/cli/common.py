@@ -156,7 +156,8 @@ def share_args(parser: argparse.ArgumentParser) -> None:
         "--per-rank-share",
         action="store_true",
         help="costs and memory are per rank share of the model (the model as P segments): a chunk of a V-chunk "
-        "schedule takes 1/V of F, B, I, W and holds 1/V of an activation unit; per-stage lists (cost file, "
+        "schedule takes 1/V of F, B, I, W and holds 1/V of an activation unit (C/V with C copies of the model, "
+        "`pipelines C`); per-stage lists (cost file, "
         "--stage-sizes) have P entries; --memory-limit and peaks count whole micro-batches of a rank's share",
     )
 
@@ -169,7 +170,8 @@ def compile_schedule(
     the same costs and the verifier's memory model (--input-fraction, --stage-sizes, --memory-limit), so every
     command that takes --cost orders it the same way. Under --per-rank-share the costs are rescaled
     (per_rank_share) once P and V are known, before the placement, so that it is timed with what is simulated; the
-    schedule's declared memory bound (in stage units, a stage holding 1) becomes 1/V as much in the flag's units."""
+    schedule's declared memory bound (in stage units, a stage holding 1) becomes C/V as much in the flag's units (1/V
+    with one copy of the model)."""
     from pipec.compiler import compute_orders, place_p2p
     from pipec.gcpause import without_cyclic_gc
 
@@ -197,9 +199,11 @@ def compile_schedule(
                 )
             # None (check without --cost): the default costs scaled by 1/V with free messages are the default
             # placement's costs in another time unit, so the placement is the default one either way
-            costs = None if costs is None else per_rank_share(costs, program.ranks, program.chunks)
+            copies = program.pipelines  # a stage is C/V of a rank's share (1/V with one copy)
+            costs = None if costs is None else per_rank_share(costs, program.ranks, program.chunks, copies)
             if program.memory_bound is not None:
-                program = replace(program, memory_bound=tuple(b / program.chunks for b in program.memory_bound))
+                bound = tuple(b * copies / program.chunks for b in program.memory_bound)
+                program = replace(program, memory_bound=bound)
         if comms and not program.has_comms:
             program = place_p2p(program, costs)
     return program, costs
@@ -216,7 +220,7 @@ def verify_options(args: argparse.Namespace, program: Program | None = None) -> 
     if program is not None and getattr(args, "per_rank_share", False):
         from pipec.verify.memory import share_stage_sizes
 
-        stage_sizes = share_stage_sizes(stage_sizes, program.ranks, program.chunks)
+        stage_sizes = share_stage_sizes(stage_sizes, program.ranks, program.chunks, program.pipelines)
     return {
         "p2p": args.p2p,
         "memory_limit": args.memory_limit,

@@ -118,7 +118,7 @@ def compare_schedules(args: argparse.Namespace) -> int:
         return code
     lines = [
         f"{len(rows)} schedules, {sizes + ', ' if sizes else ''}costs {costs.describe()} per rank share of the "
-        f"model (a chunk of V takes 1/V), p2p {args.p2p}"
+        f"model (a chunk of V takes 1/V, C/V with C copies), p2p {args.p2p}"
     ]
     in_bytes = args.activation_bytes is not None
     table = [("schedule", "V", "makespan", "bubble", "peak_memory", *(["peak_bytes"] if in_bytes else []))]
@@ -171,12 +171,15 @@ def simulate_one(args: argparse.Namespace) -> int:
     else:
         text = render_text(result, args.p2p)
         if args.per_rank_share:  # the header's costs are per stage; say how they relate to the ones given
-            text += "units: per rank share of the model (costs above per stage: 1/V of those given; peak_memory "
+            copies = result.program.pipelines
+            part = "1/V" if copies == 1 else f"C/V = {copies}/{result.program.chunks}"
+            text += f"units: per rank share of the model (costs above per stage: {part} of those given; peak_memory "
             text += "in micro-batches of one rank's share)\n"
-        elif result.program.chunks > 1:
+        elif result.program.chunks > 1 or result.program.pipelines > 1:
             from pipec.verify.memory import stage_units_note
 
-            text += stage_units_note(result.program.chunks, max(result.peak_memory, default=0.0)) + "\n"
+            peak = max(result.peak_memory, default=0.0)
+            text += stage_units_note(result.program.chunks, peak, result.program.pipelines) + "\n"
         if why:
             total = sum(w.until - w.time for w in waits)
             text += f"waits on the critical path: {f'{len(waits)}, {time_units(total)}' if waits else 'none'}\n"

@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="F=1,I=1,W=1,comm=0",
         help="measured costs per rank share of the model (one of P consecutive segments): F, B or I and W, comm, "
         "...; or a JSON cost file whose per-stage lists have P entries (as pipec simulate --cost "
-        "--per-rank-share). A chunk of a V-chunk schedule takes 1/V of them",
+        "--per-rank-share). A chunk of a V-chunk schedule takes 1/V of them (C/V with C copies of the model)",
     )
     parser.add_argument(
         "--memory-limit",

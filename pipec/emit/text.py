@@ -24,8 +24,13 @@ _PIPELINES = re.compile(r"\s*pipelines\s+([0-9]{1,9})\s*")
 
 def dump_text(program: Program) -> str:
     head = f"pipelines {program.pipelines}\n" if program.pipelines > 1 else ""  # one copy: the file as it was
-    ranks = head + "".join(f"rank {r}: {' '.join(map(str, stream))}\n" for r, stream in enumerate(program.streams))
+    ranks = head + rank_lines(program)
     return ranks + "".join(f"sync {g}: {' '.join(map(str, stages))}\n" for g, stages in enumerate(program.sync_groups))
+
+
+def rank_lines(program: Program) -> str:
+    """The `rank R: ...` lines alone (also `.pipe` literal lists when they hold compute ops only)."""
+    return "".join(f"rank {r}: {' '.join(map(str, stream))}\n" for r, stream in enumerate(program.streams))
 
 
 def load_text(text: str, where: str = "<text>", expected: Mapping[str, int | None] | None = None) -> Program:

@@ -69,11 +69,11 @@ def run_choose(
     by the caller, who checks them first: their mistakes are reported as themselves). A rank's limit is the
     section's `memory`, else ``memory_limit`` (as `--memory-limit`, in the verifier's units), else the schedule's
     declared bound. ``share``: the costs, sizes and ``memory_limit`` are per rank share (`--per-rank-share`,
-    already converted by the caller), so the section's and the declaration's limits, in stage units, count 1/V as
-    much. What the run raises is the section's doing (it cannot finish, or runs over the budget), and is reported
-    at the section."""
+    already converted by the caller), so the section's and the declaration's limits, in stage units, count C/V
+    as much (1/V with one copy). What the run raises is the section's doing (it cannot finish, or runs over the
+    budget), and is reported at the section."""
     template = spec.template
-    scale = Fraction(1, template.chunks) if share else Fraction(1)
+    scale = Fraction(template.pipelines, template.chunks) if share else Fraction(1)  # a stage: C/V of a share
 
     def limit(rank: int) -> float | None:
         if spec.limits is not None:

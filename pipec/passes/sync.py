@@ -84,6 +84,17 @@ def with_copy_syncs(program: Program) -> Program:
     return insert_syncs(program, program_groups(program.num_stages, program.pipelines))
 
 
+def copy_orders(program: Program) -> Program:
+    """The compute orders of a placed program (send/recv and SYNCs taken out) to change and place again: a program
+    of several copies whose sync groups are with_copy_syncs' loses them too, so that placing the changed order
+    (with_copy_syncs) puts its SYNCs where they now belong; kept, they would say the SYNCs are the program's own
+    and none would be placed. Groups of its own stay."""
+    orders = program.with_streams(program.compute_streams(), has_comms=False)
+    if program.pipelines > 1 and program.sync_groups == program_groups(program.num_stages, program.pipelines):
+        orders = replace(orders, sync_groups=())
+    return orders
+
+
 def check_groups(groups: Sequence[Sequence[int]], stages: int) -> SyncGroups:
     """The groups as tuples, or PipecInputError naming what is wrong with one."""
     out = []

@@ -84,6 +84,7 @@ def summarise(
         "ranks_count": program.ranks,
         "microbatches": program.microbatches,
         "chunks": program.chunks,
+        "pipelines": program.pipelines,  # copies of the model: a stage is C/V of a rank's share
         "dp": runner.layout.replicas,
         "world_size": runner.layout.world,
         "partition": list(runner.sizes),
@@ -149,8 +150,10 @@ def _say_summary(report: dict, say: Callable[[str], None]) -> None:
             f"{r['interpreter_us_per_instruction']:15.1f}  {r['peak_activations']:16g}  "
             f"{r['peak_activations_predicted']:9g}"
         )
-    if report["chunks"] > 1:
-        say(stage_units_note(report["chunks"], max(r["peak_activations_predicted"] for r in report["ranks"])))
+    copies = report.get("pipelines", 1)  # reports written before copies existed have one
+    if report["chunks"] > 1 or copies > 1:
+        peak = max(r["peak_activations_predicted"] for r in report["ranks"])
+        say(stage_units_note(report["chunks"], peak, copies))
 
 
 def _write_outputs(

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 
 from pipec.errors import PipecInputError
 from pipec.ir import Kind
-from pipec.verify.memory import DEFAULT_INPUT_FRACTION, spread_segments
+from pipec.verify.memory import DEFAULT_INPUT_FRACTION, share_of_stage, spread_segments
 
 Value = float | tuple[float, ...]
 _COMPUTE = ("F", "B", "I", "W")
@@ -163,30 +163,39 @@ def length_mismatch(name: str, entries: int, stages: int) -> str:
     return text
 
 
-def per_rank_share(costs: Costs, ranks: int, chunks: int) -> Costs:
+def per_rank_share(costs: Costs, ranks: int, chunks: int, pipelines: int = 1) -> Costs:
     """``costs`` given per rank share of the model (``--per-rank-share``) -> the same costs per stage of a P-rank,
-    V-chunk schedule. The one place the units that compare across V are turned into chunk units, for every command.
+    V-chunk schedule of ``pipelines`` = C copies of the model. The one place the units that compare across V (and
+    across copies) are turned into stage units, for every command.
 
     F, B, I, W, FB and ``activation`` describe one segment of P (the model's stages at V=1; a per-stage list has P
-    entries): a stage covers 1/V of segment s // V, so it takes 1/V of that segment's time and activations.
-    ``scale`` is a factor, so a stage takes its segment's. Messages carry the same boundary activations whatever V
-    is, so comm, latency, bandwidth and size stay as given; so does ``input_fraction`` (a share, not an amount).
+    entries). A copy of the model is L = P*V/C stages, so a stage covers C/V of a segment (1/V with one copy;
+    DualPipe's and Chimera's V = C = 2 stage is a whole one) and takes C/V of that segment's time and activations
+    (pipec.verify.memory.spread_segments). ``scale`` is a factor, so a stage takes its segment's. Messages carry
+    the same boundary activations whatever V is, so comm, latency, bandwidth and size stay as given; so do
+    ``input_fraction`` (a share, not an amount) and ``sync`` (one all-reduce of a stage's gradients, a time of its
+    own, per stage already).
     """
+    share = share_of_stage(chunks, pipelines)
     fields: dict[str, object] = {}
     for name in (*_COMPUTE, _PAIR):
         value = getattr(costs, name)
         if value is None:
             continue
         fields[name] = (
-            spread_segments(value, ranks, chunks, f"cost {name!r}") if isinstance(value, tuple) else value / chunks
+            spread_segments(value, ranks, chunks, f"cost {name!r}", pipelines=pipelines)
+            if isinstance(value, tuple)
+            else value * pipelines / chunks
         )
     if costs.scale is not None:
-        fields["scale"] = spread_segments(costs.scale, ranks, chunks, "cost 'scale'", divide=False)
+        fields["scale"] = spread_segments(
+            costs.scale, ranks, chunks, "cost 'scale'", divide=False, pipelines=pipelines
+        )
     activation = costs.activation
     if isinstance(activation, tuple):
-        fields["activation"] = spread_segments(activation, ranks, chunks, "cost 'activation'")
-    elif activation is not None or chunks != 1:  # None at V=1 is already 1 unit a stage: left as the user gave it
-        fields["activation"] = (1.0 if activation is None else activation) / chunks
+        fields["activation"] = spread_segments(activation, ranks, chunks, "cost 'activation'", pipelines=pipelines)
+    elif activation is not None or share != 1:  # None at a whole share a stage is already 1 unit: left as given
+        fields["activation"] = (1.0 if activation is None else activation) * pipelines / chunks
     return replace(costs, **fields)  # type: ignore[arg-type]
 
 

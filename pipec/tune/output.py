@@ -13,8 +13,10 @@ import shlex
 from fractions import Fraction
 
 from pipec.compiler import compute_orders
-from pipec.emit import dump_text
+from pipec.emit.text import rank_lines
 from pipec.errors import PipecError
+from pipec.ir import Program
+from pipec.passes.sync import copy_orders
 from pipec.tune.search import OK, Candidate, TuneResult, evaluate, gap_to, proves_optimal
 
 UNITS = "per-rank-share"
@@ -26,8 +28,8 @@ def schedule_text(result: TuneResult, cost_arg: str, output: str = "best.pipe") 
     best, setting = result.best, result.setting
     assert best is not None and best.program is not None and best.makespan is not None
     program = best.program
-    p, m, v = program.ranks, program.microbatches, program.chunks
-    stage_limit = Fraction(str(setting.limit)) * v
+    p, m, v, copies = program.ranks, program.microbatches, program.chunks, program.pipelines
+    stage_limit = Fraction(str(setting.limit)) * v / copies  # a stage holds C/V of a share
     check = ["pipec", "check", output, "--per-rank-share", "--cost", cost_arg, "--memory-limit", f"{setting.limit:g}"]
     if setting.costs.input_fraction != 0.5:
         check += ["--input-fraction", f"{setting.costs.input_fraction:g}"]
@@ -37,7 +39,8 @@ def schedule_text(result: TuneResult, cost_arg: str, output: str = "best.pipe") 
         check += ["--stage-sizes", ",".join(f"{x:g}" for x in sizes)]
     lines = [
         f"# pipec tune: P={p} M={m} V={v}, send/recv placed for these costs, verified and simulated (nccl model)",
-        f"# costs per rank share of the model (one segment of P; a stage of V chunks takes 1/V): "
+        f"# costs per rank share of the model (one segment of P; a stage of V chunks takes 1/V, C/V with C "
+        f"copies of the model): "
         f"{setting.costs.describe()}",
         f"# memory limit: {setting.limit:g} activation units per rank, in micro-batches of one rank's share "
         f"({_fraction(stage_limit)} in this file's stage units)",
@@ -51,14 +54,42 @@ def schedule_text(result: TuneResult, cost_arg: str, output: str = "best.pipe") 
         f'require P == {p} and M == {m} and V == {v}, "tuned for P = {p}, M = {m}, V = {v}: run pipec tune again '
         'for other sizes"',
         f"stages {p * v}",
+        *copy_lines(program),
         "placement [" + ", ".join(str(r) for r in program.stage_to_rank) + "]",
         f"memory {_fraction(stage_limit)}",
         "",
     ]
-    # the send/recv are listed when tune placed them itself (pipec.tune.placement): pipec check and simulate keep
-    # a literal list's own placement; otherwise they place them for the costs given, as tune did
-    orders = program if best.own_placement else program.with_streams(program.compute_streams(), has_comms=False)
-    return "\n".join(lines) + dump_text(orders)
+    # the send/recv are listed when tune placed them itself (pipec.tune.placement; never for copies, whose SYNCs
+    # a .pipe cannot list): pipec check and simulate keep a literal list's own placement; otherwise they place
+    # them for the costs given, as tune did, with the copies' SYNCs
+    orders = program if best.own_placement else copy_orders(program)
+    return "\n".join(lines) + rank_lines(orders)
+
+
+def copy_lines(program: Program) -> list[str]:
+    """A replicated program's header lines (docs/language.md "Replicated pipelines"): `pipelines C`, and its
+    `route` unless it is the default blocks. The route is written as conditions on m over its runs of one copy,
+    nested as a balanced tree (so its depth grows with log2 of the runs, never past the parser's nesting)."""
+    copies, mbs = program.pipelines, program.microbatches
+    if copies == 1:
+        return []
+    routes = tuple(program.route_of(mb) for mb in range(mbs))
+    lines = [f"pipelines {copies}"]
+    if routes != tuple(mb * copies // mbs for mb in range(mbs)):
+        runs: list[tuple[int, int]] = []  # (first micro-batch, copy) of each run
+        for mb, copy in enumerate(routes):
+            if not runs or runs[-1][1] != copy:
+                runs.append((mb, copy))
+        lines.append(f"route m -> {_route_tree(runs)}")
+    return lines
+
+
+def _route_tree(runs: list[tuple[int, int]]) -> str:
+    if len(runs) == 1:
+        return str(runs[0][1])
+    half = len(runs) // 2
+    low, high = _route_tree(runs[:half]), _route_tree(runs[half:])
+    return f"({low} if m < {runs[half][0]} else {high})"
 
 
 def recheck(text: str, result: TuneResult) -> None:
@@ -117,6 +148,10 @@ def summary_text(result: TuneResult, output: str | None) -> str:
         f"bubble {best.bubble:.4f}, peak {best.peak:g} of limit {s.limit:g} (units per rank share)",
         _beat(best, result.library_best),
     ]
+    copies = 1 if best.program is None else best.program.pipelines
+    if copies > 1:  # the memory limit counts activations; the copies' weights are the user's to budget
+        lines.append(f"{best.name} holds {copies} copies of the model: {copies}x its weights and their gradients, "
+                     "which the activation limit does not count")
     lines.append(certificate_text(result))
     if not result.complete:
         lines.append("the time budget ended the search early (--time-budget): a longer one may find better")
@@ -183,6 +218,12 @@ def certificate_text(result: TuneResult) -> str:
     if bound is None:
         return f"lower bound: none over {space} (a solve ended before it had one: per shape {per}){relaxed}"
     makespan = None if best is None else best.makespan
+    copies = 1 if best is None or best.program is None else best.program.pipelines
+    if copies > 1:  # the solver orders one copy of the model: its bound says nothing of C copies
+        return (
+            f"lower bound {bound:g} over {space} for one copy of the model (CP-SAT; per shape {per}); the best "
+            f"runs {copies} copies (a library schedule's order, outside that space){relaxed}"
+        )
     if cert.optimal(makespan):
         return f"proved optimal: no schedule of {space} is faster than {bound:g} (CP-SAT; per shape {per}){relaxed}"
     gap = cert.gap(makespan)
@@ -213,10 +254,11 @@ def _certificate_json(result: TuneResult) -> dict:
     if cert is None:
         return {"lower_bound": None, "optimal": False, "gap": None, "bound": None}
     bound = cert.bound
+    one_copy = best is None or best.program is None or best.program.pipelines == 1  # what the bound is about
     return {
         "lower_bound": None if bound is None or bound == float("inf") else bound,
-        "optimal": cert.optimal(makespan),
-        "gap": cert.gap(makespan),
+        "optimal": one_copy and cert.optimal(makespan),
+        "gap": cert.gap(makespan) if one_copy else None,
         "bound": {
             "solver": None if cert.skipped else "cp-sat",
             "skipped": cert.skipped or None,

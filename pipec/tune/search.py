@@ -34,7 +34,7 @@ from pipec.compiler import compute_orders, place_p2p
 from pipec.errors import PipecError
 from pipec.ir import MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas, loop_placement, v_placement
 from pipec.passes.p2p import insert_p2p_ops
-from pipec.passes.sync import with_copy_syncs
+from pipec.passes.sync import copy_orders, with_copy_syncs
 from pipec.sim.costs import Costs
 from pipec.sim.simulate import simulate
 from pipec.tune.exact import ExactResult, exact_candidates
@@ -152,7 +152,7 @@ def evaluate(
     already placed (pipec.tune.placement), to judge instead of place_p2p's; an `orders` with send/recv (a file
     tune wrote with its placement) is judged as placed too."""
     if orders.has_comms:  # the file's own placement: what wins is written with it (output.schedule_text)
-        placed, orders = orders, orders.with_streams(orders.compute_streams(), has_comms=False)
+        placed, orders = orders, copy_orders(orders)
         extra.setdefault("own_placement", True)
     v = orders.chunks
     base = Candidate(name, params, v, None, None, None, ERROR, **extra)
@@ -161,8 +161,8 @@ def evaluate(
     if orders.num_stages != orders.ranks * v:
         return replace(base, reason=f"{orders.num_stages} stages, not P*V = {orders.ranks * v}")
     try:
-        costs = setting.stage_costs(v)
-        sizes = setting.stage_sizes(v)
+        costs = setting.stage_costs(v, orders.pipelines)
+        sizes = setting.stage_sizes(v, orders.pipelines)
         program = place_p2p(orders, costs) if placed is None else placed
         report = verify(program, "nccl", setting.limit, setting.costs.input_fraction, sizes)
     except PipecError as e:
@@ -290,7 +290,12 @@ def _solver_phase(
             stage_to_rank=where,
             streams=((),) * setting.ranks,
         )
-        shape = [c for c in tried if c.ok and c.program is not None and c.program.stage_to_rank == where]
+        # of one copy only: a replicated schedule placed alike (dualpipe, placement v) is another model's order
+        shape = [
+            c
+            for c in tried
+            if c.ok and c.program is not None and c.program.stage_to_rank == where and c.program.pipelines == 1
+        ]
         hint = min(shape, key=Candidate.key).program.compute_streams() if shape else None  # type: ignore[union-attr]
         # the time left, shared by weight 1/V^2 among the solves left: a smaller model is likelier to be proved
         # (the model grows with V, and its proofs harder still)
@@ -393,6 +398,10 @@ def _placed(
     faster under nccl, else the candidate itself; and whether the placement's moves ended before `deadline`."""
     if not candidate.ok or candidate.program is None or candidate.makespan is None:
         return candidate, True
+    if candidate.program.pipelines > 1:
+        # its placement would leave out the copies' SYNCs, and a .pipe cannot list them: the compiler's own
+        # placement (place_p2p, with the SYNCs) is the one tune judged it with and pipec check re-creates
+        return candidate, True
     costs = setting.stage_costs(candidate.chunks)
     orders = candidate.program.with_streams(candidate.program.compute_streams(), has_comms=False)
     first = send_recv.ahead(orders, costs, timing)
@@ -483,10 +492,10 @@ def improve(
     """First-improvement local search from `start`'s order. Returns (the best candidate, whether it stopped at a
     local optimum rather than at the deadline)."""
     assert start.program is not None and start.makespan is not None
-    orders = start.program.with_streams(start.program.compute_streams(), has_comms=False)
+    orders = copy_orders(start.program)  # SYNCs out: each trial is placed with its own
     v = orders.chunks
-    costs = setting.stage_costs(v)
-    sizes = setting.stage_sizes(v)
+    costs = setting.stage_costs(v, orders.pipelines)
+    sizes = setting.stage_sizes(v, orders.pipelines)
     deltas = activation_deltas(setting.costs.input_fraction)
     streams = [list(s) for s in orders.streams]
     best, moves = start, 0

@@ -21,11 +21,13 @@ class Setting:
     limit: float  # activation units per rank (micro-batches of one rank's share)
     chunks: tuple[int, ...]
 
-    def stage_costs(self, chunks: int) -> Costs:
-        return per_rank_share(self.costs, self.ranks, chunks)
+    def stage_costs(self, chunks: int, pipelines: int = 1) -> Costs:
+        """The costs in the stage units of a V-chunk schedule of ``pipelines`` copies (a stage: C/V of a share)."""
+        return per_rank_share(self.costs, self.ranks, chunks, pipelines)
 
-    def stage_sizes(self, chunks: int) -> tuple[float, ...]:
-        return share_stage_sizes(self.segment_sizes(), self.ranks, chunks)
+    def stage_sizes(self, chunks: int, pipelines: int = 1) -> tuple[float, ...]:
+        """The verifier's stage sizes for a V-chunk schedule of ``pipelines`` copies."""
+        return share_stage_sizes(self.segment_sizes(), self.ranks, chunks, pipelines)
 
     def segment_sizes(self) -> Sequence[float] | None:
         """Activation units of one micro-batch per segment (None: 1 each), from the costs' `activation`."""

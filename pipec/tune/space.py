@@ -4,8 +4,9 @@ A source is a bundled schedule or a `--from` file. For each V of `--chunks` its 
 parameters run over their declared `in` ranges, enumerated as `pipec test` does (pipec.testing.space.ParamSpace,
 so no set is one the schedule refuses); a product larger than MAX_SETS is sampled with the seed. A parameter
 named `limit` is a memory limit in the schedule's own stage units (the convention of the cost-aware library
-schedules and tests/zbv_limited.pipe): only its values within the limit X * V are tried (X is per rank share, a
-stage holds 1/V of a share), so that the schedule's own memory declaration keeps it within X.
+schedules and tests/zbv_limited.pipe): only its values within the limit X * V / C are tried (X is per rank share,
+a stage holds C/V of a share, 1/V with one copy of the model), so that the schedule's own memory declaration
+keeps it within X. Replicated schedules (C copies, dualpipe and chimera) are drawn like the others.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from fractions import Fraction
 from pipec.compiler import parse_schedule
 from pipec.errors import PipecError
 from pipec.frontend import ast
+from pipec.frontend.header import bind_pipelines
 from pipec.library import bundled_names
 from pipec.testing.space import ParamSpace
 
@@ -63,12 +65,6 @@ def draws(
             reason = "forward only (inference): no backward to tune"
             yield Draw(name, source, 0, (), False, problem=reason, skipped=True)
             continue
-        if schedule.pipelines is not None:
-            # tune's costs and memory are per rank share with a stage 1/V of it; a stage of C copies is C/V of it,
-            # so its figures would not compare with the others' (they would look C times cheaper)
-            reason = "replicated pipelines (copies of the model): tune compares schedules of one copy"
-            yield Draw(name, source, 0, (), False, problem=reason, skipped=True)
-            continue
         yield from _schedule_draws(name, source, schedule, ranks, microbatches, chunks, limit, rng)
 
 
@@ -104,7 +100,7 @@ def _schedule_draws(
             reasons.append(f"V={v}: {e.message}")
             continue
         named = [{k: s[k] for k in space.order if k not in ("P", "M", "V")} for s in sets]
-        named = _fit_limit(named, limit * v)
+        named = _fit_limit(named, schedule, {**fixed, "V": v}, limit)
         if len(named) > MAX_SETS:
             # the largest limits first (they are sorted so), the rest sampled
             named = named[:MAX_SETS] if LIMIT_PARAM in named[0] else rng.sample(named, MAX_SETS)
@@ -121,17 +117,33 @@ def _maxima(ranks: int, microbatches: int, chunks: Sequence[int]) -> dict[str, i
     return {"P": ranks, "M": microbatches, "V": max(chunks)}
 
 
-def _fit_limit(sets: list[dict[str, int]], stage_units: float) -> list[dict[str, int]]:
-    """A `limit` parameter is a memory limit: only values within the run's limit in stage units are tried (all of
-    them: a list schedule with more room is not always faster), or the smallest one when none is."""
+def _copies(schedule: ast.Schedule, env: dict[str, int]) -> int:
+    """C, the copies of the model the schedule declares at these parameters (1 where the line cannot be read:
+    compiling it reports that)."""
+    try:
+        return bind_pipelines(schedule, dict(env))
+    except PipecError:
+        return 1
+
+
+def _fit_limit(
+    sets: list[dict[str, int]], schedule: ast.Schedule, sizes: dict[str, int], limit: float
+) -> list[dict[str, int]]:
+    """A `limit` parameter is a memory limit: only values within the run's limit in stage units (X * V / C for a
+    parameter set, a stage holding C/V of a share) are tried (all of them: a list schedule with more room is not
+    always faster), or the smallest one when none is."""
     if not sets or LIMIT_PARAM not in sets[0]:
         return sets
-    cap = Fraction(str(stage_units))
+    share = Fraction(str(limit)) * sizes["V"]
+
+    def stage_units(params: dict[str, int]) -> Fraction:
+        return share / _copies(schedule, {**sizes, **params})
+
     groups: dict[tuple, list[dict[str, int]]] = {}
     for s in sets:
         groups.setdefault(tuple((k, v) for k, v in s.items() if k != LIMIT_PARAM), []).append(s)
     out = []
     for members in groups.values():
-        within = sorted((s for s in members if s[LIMIT_PARAM] <= cap), key=lambda s: -s[LIMIT_PARAM])
+        within = sorted((s for s in members if s[LIMIT_PARAM] <= stage_units(s)), key=lambda s: -s[LIMIT_PARAM])
         out += within or [min(members, key=lambda s: s[LIMIT_PARAM])]
     return out

@@ -36,39 +36,68 @@ def validate_memory_model(
 SHARE_FLAG = "--per-rank-share"  # the CLI flag that gives costs and memory per rank share of the model
 
 
+def share_of_stage(chunks: int, pipelines: int = 1) -> float:
+    """How much of one rank's share of the model (1/P of one copy) a stage is: 1/V with one copy, C/V with C
+    copies of the model over the same ranks (a copy's L = S/C stages cover the whole model; DualPipe's V = C = 2
+    stage is a whole share). Written C / V so that C = 1 gives the float 1/V exactly as before."""
+    return pipelines / chunks
+
+
 def spread_segments(
-    values: float | Sequence[float], ranks: int, chunks: int, key: str, divide: bool = True
+    values: float | Sequence[float], ranks: int, chunks: int, key: str, divide: bool = True, pipelines: int = 1
 ) -> tuple[float, ...]:
     """Per-segment values -> per-stage values, for units that compare across V (``--per-rank-share``).
 
     The model is P consecutive segments (its stages at V=1); ``values`` gives one number per segment (or one for
-    all). Stages are numbered along the model, so stage s of a V-chunk schedule covers [s/(P*V), (s+1)/(P*V)) of
-    it, which lies inside segment s // V. With ``divide`` a stage takes 1/V of its segment's amount (a duration, an
-    activation size); without, the segment's own value (a factor such as ``scale``).
+    all). Stages are numbered along each copy of the model (``pipelines`` = C copies of L = P*V/C stages, copy c's
+    stage l being stage c*L + l), so stage c*L + l covers [l/L, (l+1)/L) of the model, which lies inside segment
+    l // (V/C) when C divides V. With ``divide`` a stage takes C/V of its segment's amount (a duration, an
+    activation size); without, the segment's own value (a factor such as ``scale``). Where C does not divide V a
+    stage straddles segments: a single number still spreads (C/V of it), a per-segment list is refused.
     """
-    segments = tuple(float(v) for v in values) if isinstance(values, Sequence) else (float(values),) * ranks
+    uniform = not isinstance(values, Sequence)
+    segments = tuple(float(v) for v in values) if not uniform else (float(values),) * ranks
     if len(segments) != ranks:
         raise PipecInputError(
             f"{key} has {len(segments)} entries; under {SHARE_FLAG} a per-stage list describes the model as P "
             f"consecutive segments (its stages at V=1): {ranks} entries expected (P={ranks})"
         )
-    share = 1.0 / chunks if divide else 1.0
-    return tuple(segments[s // chunks] * share for s in range(ranks * chunks))
+    share = share_of_stage(chunks, pipelines) if divide else 1.0
+    stages = ranks * chunks
+    if chunks % pipelines != 0:
+        if not uniform and len(set(segments)) > 1:
+            raise PipecInputError(
+                f"{key}: under {SHARE_FLAG} a per-segment list needs each stage inside one segment, but a copy of "
+                f"the model here has {stages // pipelines} stages over P={ranks} segments (V={chunks} is not a "
+                f"multiple of the {pipelines} pipelines); give one number, or per-stage values without {SHARE_FLAG}"
+            )
+        return (segments[0] * share,) * stages
+    length, per_segment = stages // pipelines, chunks // pipelines  # a copy's stages; a segment's, of one copy
+    return tuple(segments[s % length // per_segment] * share for s in range(stages))
 
 
-def share_stage_sizes(stage_sizes: Sequence[float] | None, ranks: int, chunks: int) -> tuple[float, ...]:
+def share_stage_sizes(
+    stage_sizes: Sequence[float] | None, ranks: int, chunks: int, pipelines: int = 1
+) -> tuple[float, ...]:
     """The verifier's stage sizes under ``--per-rank-share``: ``stage_sizes`` has one entry per segment (default
-    1 each: one micro-batch's activations of one rank's share of the model), and a stage holds 1/V of its
-    segment's, so peaks and limits read in units that compare across V."""
-    return spread_segments(1.0 if stage_sizes is None else stage_sizes, ranks, chunks, "--stage-sizes")
+    1 each: one micro-batch's activations of one rank's share of the model), and a stage holds C/V of its
+    segment's (1/V with one copy), so peaks and limits read in units that compare across V and copies."""
+    return spread_segments(
+        1.0 if stage_sizes is None else stage_sizes, ranks, chunks, "--stage-sizes", pipelines=pipelines
+    )
 
 
-def stage_units_note(chunks: int, peak: float) -> str:
-    """The unit of a peak-activation figure in stage units, named where V > 1 makes it differ from the unit
-    `pipec tune` and `--per-rank-share` print (micro-batches of a rank's share of the model: V stages)."""
+def stage_units_note(chunks: int, peak: float, pipelines: int = 1) -> str:
+    """The unit of a peak-activation figure in stage units, named where it differs from the unit `pipec tune` and
+    `--per-rank-share` print (micro-batches of a rank's share of the model: V/C stages, V with one copy)."""
+    there = peak * share_of_stage(chunks, pipelines)
+    if pipelines == 1:
+        held = f"of a rank's V={chunks} stages"
+    else:
+        held = f"of a rank's share of the model, V/C = {chunks}/{pipelines} stages"
     return (
-        f"units: micro-batches of one stage's activations (pipec tune, --per-rank-share: of a rank's V={chunks} "
-        f"stages, so {peak:g} here is {peak / chunks:g} there)"
+        f"units: micro-batches of one stage's activations (pipec tune, --per-rank-share: {held}, "
+        f"so {peak:g} here is {there:g} there)"
     )
 
 

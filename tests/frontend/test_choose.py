@@ -216,6 +216,25 @@ def test_per_rank_share_reaches_the_scheduler() -> None:
     assert peaks[0] <= 2 < peaks[1] <= 4  # in chunk units
 
 
+def test_per_rank_share_of_copies_is_their_stage_units_at_v_equal_c() -> None:
+    """With two copies of the model at V = 2 a stage is a whole share: the converted costs, sizes and declared
+    `memory` are the stage-unit ones, so the order is the same with or without the flag (before, compute and
+    memory were halved while the messages kept their cost, and the order changed)."""
+    text = """\
+schedule bidirectional_auto "two copies in opposite directions, ordered by the list scheduler"
+params P, M, V = 2
+pipelines 2
+placement v
+memory 6
+choose per rank r:
+    take B priority 1
+    take F
+"""
+    costs = Costs(F=1.0, B=2.0, W=1.0, comm=1.0)
+    share = compute_orders(text, 4, 8, 2, costs=costs, per_rank_share=True)
+    assert share.streams == compute_orders(text, 4, 8, 2, costs=costs).streams
+
+
 def test_a_memory_limit_bounds_the_choice() -> None:
     free = ZB_GREEDY.replace("memory limit\n", "")
     assert max(max(_live(s)) for s in compute_orders(free, 4, 8).streams) > 1.0

@@ -104,6 +104,9 @@ TABLE = {  # docs/simulator.md, "Units that compare across V": (schedule, V) -> 
     ("interleaved_zb", 2): (25.5, (4, 3.75, 3.5, 3.25)),
     ("zbv", 2): (25.5, (4, 4, 4, 4)),
     ("dualpipev", 2): (27, (4, 4, 4, 4.5)),
+    ("dualpipe", 2): (26, (4, 5, 5, 4)),  # copies: a stage is C/V of a share, here a whole one
+    ("chimera", 2): (30, (3, 4, 4, 3)),
+    ("chimera", 4): (24, (4, 4, 4, 4)),
 }
 
 

@@ -47,14 +47,15 @@ def library_best(ranks: int, microbatches: int, costs_map: dict, limit: float) -
     best = None
     for name in bundled_names():
         for v in CHUNKS:
-            share = per_rank_share(costs, ranks, v)
             try:
+                copies = pipec.compile(name, ranks, microbatches, v).pipelines  # a stage is C/V of a share
+                share = per_rank_share(costs, ranks, v, copies)
                 program = pipec.compile(name, ranks, microbatches, v, costs=share)
             except PipecError:
                 continue  # the schedule refuses this V or size
-            if program.forward_only or program.num_stages != ranks * v or program.pipelines > 1:
-                continue  # tune leaves out replicated copies too (pipec.tune.space: their stage is C/V of a share)
-            report = verify(program, memory_limit=limit, stage_sizes=share_stage_sizes(None, ranks, v))
+            if program.forward_only or program.num_stages != ranks * v:
+                continue
+            report = verify(program, memory_limit=limit, stage_sizes=share_stage_sizes(None, ranks, v, copies))
             if not report.ok:
                 continue
             span = simulate(program, share, p2p="nccl").makespan

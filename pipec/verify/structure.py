@@ -129,7 +129,25 @@ def _syncs(program: Program, flat: Flat) -> list[str]:
                         f"rank {most} {numbers[most]}: rank {most}'s {program.streams[most][issued[most][k]]} "
                         f"(op {issued[most][k]}) would wait forever for rank {rank}"
                     )
+        elif program.has_comms and members and numbers[members[0]] != (0 if program.forward_only else 1):
+            out.append(_not_once(program, group, stages, numbers[members[0]]))
     return out
+
+
+def _not_once(program: Program, group: int, stages: tuple[int, ...], issued: int) -> str:
+    """A placed program sums each group's gradients exactly once per step on each member rank: with no SYNC the
+    copies (or tied weights) drift apart silently, with two the second all-reduce multiplies the sum by the group's
+    size. A forward-only program has no gradients: none."""
+    count = _plural(issued, "SYNC") if issued else "no SYNC"
+    where = f"sync group {group} {stages}: its member ranks issue {count} of it"
+    if program.forward_only:
+        return f"{where}: a forward-only program has no gradients to sum, so none"
+    if issued == 0:
+        return (
+            f"{where}: the gradients of its stages would never be summed and their weights would drift apart "
+            "(give pipec the compute orders alone and it places the SYNCs, pipec.passes.sync)"
+        )
+    return f"{where}: one per step; each further one would sum the already summed gradients again"
 
 
 def _pair_problem(pair: Instruction) -> str:

@@ -12,10 +12,10 @@ from cli_capture import run_main
 from deepseek_orders import dualpipe_cases, dualpipe_text
 
 import pipec
-from pipec.emit import load_text
+from pipec.emit import dump_text, load_text
 from pipec.errors import PipecInputError
 from pipec.ir import Action, Kind
-from pipec.passes.sync import program_groups
+from pipec.passes.sync import insert_syncs, program_groups
 from pipec.sim import simulate
 from pipec.verify import check_structure
 
@@ -118,3 +118,35 @@ def test_a_message_across_two_copies_chains_is_refused_naming_the_chain_end(tmp_
     streams[3] = (*streams[3], Action(3, Kind.SEND_F, 0))
     problems = check_structure(replace(program, streams=tuple(streams)))
     assert "3SEND_F0: stage 3 is the last of copy 0's chain, which hands nothing to stage 4 (copy 1's)" in problems
+
+
+def _without_syncs(program: pipec.Program) -> pipec.Program:
+    return replace(
+        program, streams=tuple(tuple(i for i in s if i.parts[0].kind is not Kind.SYNC) for s in program.streams)
+    )
+
+
+@pytest.mark.parametrize("schedule", ["dualpipe", "chimera"])
+def test_declared_groups_whose_syncs_are_all_missing_are_refused_from_the_file(schedule: str, tmp_path: Path) -> None:
+    """Every member rank issuing no SYNC of a group is as balanced as one each, but the copies never meet: a file
+    that declares the groups and lost every SYNC would train C drifting models. Exit 1, naming the group."""
+    unsynced = _without_syncs(pipec.compile(schedule, ranks=4, microbatches=8))
+    assert unsynced.sync_groups and unsynced.has_comms
+    path = tmp_path / "unsynced.txt"
+    path.write_text(dump_text(unsynced))
+    code, out, err = run_main(["check", str(path)])
+    assert code == 1, out + err
+    assert f"sync group 0 {unsynced.sync_groups[0]}: its member ranks issue no SYNC of it" in out + err
+
+
+def test_a_group_summed_twice_is_refused_and_a_tie_alike() -> None:
+    """A second SYNC of a group on every member rank is balanced (no deadlock) but sums the summed gradients
+    again: refused. The same rule holds for a tie's group in one pipeline (stages 0 and 3 of 1f1b)."""
+    program = pipec.compile("dualpipe", ranks=4, microbatches=8)
+    doubled = replace(
+        program, streams=tuple(s + tuple(i for i in s if i.parts[0].kind is Kind.SYNC) for s in program.streams)
+    )
+    assert any("SYNCs of it: one per step" in p for p in check_structure(doubled))
+    tied = insert_syncs(pipec.compile("1f1b", ranks=4, microbatches=4), [(0, 3)])
+    assert check_structure(tied) == []
+    assert any("issue no SYNC of it" in p for p in check_structure(_without_syncs(tied)))

@@ -8,16 +8,19 @@ skipped. Only ok candidates rank: makespan, then peak memory, then name.
 
 Phases: 1, every library schedule and `--from` file over its V and parameters (always completes, so tune is never
 worse than the library); 2, list-scheduled orders (pipec.passes.list_schedule) under the costs and the limit, for
-each V of `--chunks` and placement loop or v; 4, the exact phase, given at most half of the time left: with
-OR-tools, a CP-SAT model per V and placement (pipec.tune.cpsat), warm-started from the best order so far, whose
-lower bounds make the certificate (`Certificate`: proved optimal, or within a gap); without it, for small sizes
-(3·P·M·V <= 64), the branch and bound (pipec.tune.exact); 3, local moves on the best few orders (move one W past
-a neighbour on its rank, either way, or pull one F earlier), a move kept when the result verifies, fits, is not
-slower and moves work earlier (the makespan, then the sum of the ops' end times, decreases: plateaus of the makespan are
-common, and crossing them is what finds the faster orders), in a seeded order, first improvement, until no move
-helps or the time budget runs out. A solver order that runs slower under nccl than in the model, and the winner
-at the end, get their send/recv placed again from the timing (pipec.tune.placement; `_closer`, `_placed`),
-kept when that verifies and runs faster; such a candidate is written with its send/recv (`own_placement`).
+each V of `--chunks` and placement loop or v; 3, local moves on the best few orders (move one W past a neighbour on
+its rank, either way, or pull one F earlier), a move kept when the result verifies, fits, is not slower and moves
+work earlier (the makespan, then the sum of the ops' end times, decreases: plateaus of the makespan are common, and
+crossing them is what finds the faster orders), in a seeded order, first improvement, until no move helps or its
+time runs out; 4, the exact phase: with OR-tools, a CP-SAT model per V and placement (pipec.tune.cpsat),
+warm-started from the best order of its shape so far, whose lower bounds make the certificate (`Certificate`:
+proved optimal, or within a gap); without it, for small sizes (3·P·M·V <= 64), the branch and bound
+(pipec.tune.exact). Without the solver the order is 1, 2, 4, 3 (tune before the solver). With it, 1, 2, 3 on the
+best orders of phases 1 and 2 (tune without the solver, as it runs alone: so tune is never worse than it when
+those moves end), then 4, then 3 again on the solver's orders not at its bound. A solver order that runs slower
+under nccl than in the model, tune's own best and the winner at the end get their send/recv placed again from the
+timing (pipec.tune.placement; `_closer`, `_placed`), kept when that verifies and runs faster; such a candidate is
+written with its send/recv (`own_placement`).
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ from pipec.verify.memory import memory_profile
 
 OK, OVER, INVALID, ERROR, SKIPPED = "ok", "over-memory", "invalid", "error", "skipped"
 KEEP = 3  # phase 3 improves this many of the best distinct orders
-SOLVER_SHARE = 0.5  # of the time left after phase 2, for phase 4
+SOLVER_SHARE = 0.5  # of the time left after phase 2, for phase 4 (with the solver: after tune's own local moves)
+SOLVER_AFTER_MOVES = 0.75  # of the time left after the solver's start, for the solver (the rest: moves on its orders)
 LATE_SEEDS = 4  # the most `late` re-solves (one a seed) that _closer tries for an order nccl runs slower
 LATE_SECONDS = 3.0  # the least time for one of them (measured: 1 s often stops short of the latest orders)
 PLACEMENT_SHARE = 0.1  # of the budget, kept from phase 3 for placing the best order's send/recv (_placed)
@@ -228,41 +232,71 @@ def tune(
         else:
             note(evaluate(name, (), orders, setting, phase=2), "list scheduling")
 
-    # phase 4: the exact phase, before the local moves so that they start from it too; it takes at most
-    # SOLVER_SHARE of the time left. With OR-tools, the CP-SAT model (cpsat.py) at every V; without, the branch
-    # and bound (exact.py) at small sizes.
-    until = time.monotonic() + max(0.0, deadline - time.monotonic()) * SOLVER_SHARE
+    # with messages, a share of the budget is kept for placing the winner's send/recv from its timing
+    moves_end = deadline - (PLACEMENT_SHARE * time_budget if setting.costs.message_time > 0 else 0.0)
     why_not = cpsat.available() or cpsat.refuses(setting.stage_costs(1), setting.ranks)
-    if why_not is None:
-        certificate, solved = _solver_phase(setting, tried, until, seed, note, workers)
-        complete = complete and solved
-    else:
+    if why_not is not None:
+        # without the solver: the branch and bound (exact.py) at small sizes, at most SOLVER_SHARE of the time
+        # left, then the local moves on the best orders of every phase (tune before the solver)
         certificate = Certificate((), cpsat.MODEL_IDEAL, False, skipped=why_not)
+        until = time.monotonic() + max(0.0, deadline - time.monotonic()) * SOLVER_SHARE
         for name, v, found in exact_candidates(setting, until):
             note(_from_exact(name, v, found, setting), "exact search")
             complete = complete and (isinstance(found, str) or found.optimal)  # a skip is no budget cut
-
-    starts = _distinct_best(tried, KEEP)
-    # with messages, a share of the budget is kept for placing the winner's send/recv from its timing
-    moves_end = deadline - (PLACEMENT_SHARE * time_budget if setting.costs.message_time > 0 else 0.0)
-    for index, candidate in enumerate(starts):
-        rng = random.Random(seed * 1009 + index)
-        # an equal share of the time left to each start; one that ends early leaves its rest to the next
-        share = max(0.0, moves_end - time.monotonic()) / (len(starts) - index)
-        until = min(moves_end, time.monotonic() + share)
-        improved, finished = improve(candidate, setting, until, rng, lambda c: note(c, "local moves", keep=False))
-        complete = complete and finished
-        if improved is not candidate:
-            note(improved, "local moves")
+        complete = _local_moves(_distinct_best(tried, KEEP), setting, moves_end, seed, 0, note) and complete
+        own_best = None
+    else:
+        # with it, tune without the solver runs first, as it would alone (the local moves on the best orders of
+        # phases 1 and 2), within 1 - SOLVER_SHARE of the time left: what it finds stays a candidate, so tune with
+        # the solver is never worse than tune without it when those moves end (a local optimum; the budget cut
+        # shows as `complete` false), and the solver starts warm from orders already improved. Then phase 4,
+        # then the local moves on the solver's orders that are not yet at its bound.
+        today = _distinct_best(tried, KEEP)
+        until = min(moves_end, time.monotonic() + max(0.0, moves_end - time.monotonic()) * (1 - SOLVER_SHARE))
+        complete = _local_moves(today, setting, until, seed, 0, note) and complete
+        own_best = min((c for c in tried if c.ok), key=Candidate.key, default=None)
+        until = time.monotonic() + max(0.0, moves_end - time.monotonic()) * SOLVER_AFTER_MOVES
+        certificate, solved = _solver_phase(setting, tried, until, seed, note, workers)
+        complete = complete and solved
+        solved_orders = _distinct_best([c for c in tried if c.phase == 4], KEEP)
+        solver_orders = [c for c in solved_orders if not proves_optimal(c.makespan, c.bound)]
+        complete = _local_moves(solver_orders, setting, moves_end, seed, KEEP, note) and complete
+    # the send/recv of tune's own best (what tune without the solver places) and of the leader, when another,
+    # placed from their timing; phase 4 placed its own (_solver_phase)
     leader = min((c for c in tried if c.ok), key=Candidate.key, default=None)
-    if leader is not None and leader.phase != 4:  # phase 4 placed its own (_solver_phase)
-        placed, finished = _placed(leader, setting, deadline)
+    chosen = [c for c in (own_best, leader) if c is not None and c.phase != 4]
+    if len(chosen) == 2 and chosen[0] is chosen[1]:
+        chosen.pop()
+    for index, candidate in enumerate(chosen):
+        placed, finished = _placed(candidate, setting, time.monotonic() + _share(deadline, len(chosen) - index))
         complete = complete and finished
-        if placed is not leader:
+        if placed is not candidate:
             note(placed, "send/recv placement")
     ranked = sorted((c for c in tried if c.ok), key=Candidate.key)
     rest = [c for c in tried if not c.ok]
     return TuneResult(setting, (*ranked, *rest), ranked[0] if ranked else None, library_best, complete, certificate)
+
+
+def _local_moves(
+    starts: Sequence[Candidate], setting: Setting, deadline: float, seed: int, first: int, note: Callable[..., None]
+) -> bool:
+    """Phase 3 on `starts`: an equal share of the time to `deadline` to each (one that ends early leaves its rest
+    to the next), start number `first + index` seeded as tune always seeded it. Returns whether every start's
+    moves ended (a local optimum) before the deadline."""
+    finished_all = True
+    for index, candidate in enumerate(starts):
+        rng = random.Random(seed * 1009 + first + index)
+        until = min(deadline, time.monotonic() + _share(deadline, len(starts) - index))
+        improved, finished = improve(candidate, setting, until, rng, lambda c: note(c, "local moves", keep=False))
+        finished_all = finished_all and finished
+        if improved is not candidate:
+            note(improved, "local moves")
+    return finished_all
+
+
+def _share(deadline: float, count: int) -> float:
+    """An equal share of the time left to `deadline` for each of `count` steps."""
+    return max(0.0, deadline - time.monotonic()) / count
 
 
 def _solver_phase(

@@ -144,3 +144,20 @@ def test_without_or_tools_tune_says_what_it_skipped(tmp_path: Path, monkeypatch:
     assert code == 0, err
     assert data["lower_bound"] is None and data["optimal"] is False and "not installed" in data["bound"]["skipped"]
     assert any(c["name"] == "exact" for c in data["candidates"])  # the branch and bound ran instead
+
+
+def test_never_worse_than_tune_without_the_solver(monkeypatch: pytest.MonkeyPatch) -> None:
+    # tune without the solver runs first inside tune with it: its best order (local moves from a library start)
+    # stays a candidate, so the solver's orders add to tune's answer and never displace it. Before, the solver's
+    # order took one of the three starts of the local moves here, and the order below was never reached.
+    setting = Setting(4, 8, parse_costs("F=1,I=1,W=2,comm=0.5"), 2, (1,))
+    with monkeypatch.context() as patched:
+        patched.setattr(cpsat, "available", lambda: "off: tune as it runs without OR-tools")
+        alone = tune(setting, library_sources(), time_budget=4)
+    both = tune(setting, library_sources(), time_budget=4)
+    assert alone.best is not None and alone.best.moves > 0 and alone.complete
+    assert both.best is not None and both.best.makespan <= alone.best.makespan + 1e-9
+    assert both.certificate is not None and both.certificate.bound <= both.best.makespan + 1e-9
+    streams = alone.best.program.compute_streams()
+    kept = [c for c in both.candidates if c.ok and c.program.compute_streams() == streams]
+    assert kept and kept[0].makespan <= alone.best.makespan + 1e-9

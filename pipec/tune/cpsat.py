@@ -368,6 +368,7 @@ def solve(
     seed: int = 0,
     workers: int = WORKERS,
     late: float | None = None,
+    cutoff: float | None = None,
 ) -> SolverResult:
     """The least-makespan compute orders for `template`'s P, M, V and placement (module docstring), within
     `seconds` of solver time. `hint`: per-rank compute orders to start from (the best tune has). `workers`:
@@ -375,7 +376,10 @@ def solve(
     be positive (the memory intervals read a rank's order from distinct start times). `late`: instead, among
     the orders of makespan at most `late`, one that runs every op as late as it allows (the greatest sum of
     starts): an optimal order with slack left early can lose time under nccl, where a receive posted with
-    slack joins a batch that a later input holds back."""
+    slack joins a batch that a later input holds back. `cutoff`: only orders of model makespan at most this (the
+    best nccl makespan tune has, of any shape): one slower in the model is slower under nccl too, so nothing tune
+    could win is cut; a solve with no order within it proves the bound `cutoff` plus one unit (a result without
+    orders, `optimal` true: the bound is proved; `infeasible` stays for the memory limit's own)."""
     from ortools.sat.python import cp_model
 
     began = time.monotonic()
@@ -415,6 +419,10 @@ def solve(
     for s, k, m in ops:  # counter order, without loss (module docstring, "symmetry")
         if m + 1 < inst.n_mb:
             model.add(start[(s, k, m + 1)] >= start[(s, k, m)] + inst.dur[s][k])
+            if (s, k, m) in posts:
+                # a channel's posts in micro-batch order too: with the consumers in counter order, swapping two
+                # posts' messages so that the earlier micro-batch takes the earlier post delays nothing
+                model.add(posts[(s, k, m + 1)] >= posts[(s, k, m)] + post)
     makespan = model.new_int_var(0, horizon, "makespan")
     # a rank starts no earlier than its first forward can, then runs all its work and posts one at a time
     # (CP-SAT's no-overlap does not give the LP this: at loose memory its bound stayed far below it)
@@ -424,6 +432,9 @@ def solve(
     for op in ops:
         if op[1] == _W:  # every op is followed by a W of its stage and micro-batch (posts by their consumers)
             model.add(makespan >= start[op] + inst.dur[op[0]][_W])
+    limit_units = None if cutoff is None else math.floor(cutoff * inst.scale + 1e-6)
+    if limit_units is not None:
+        model.add(makespan <= limit_units)
     if late is None:
         model.minimize(makespan)
     else:
@@ -431,6 +442,9 @@ def solve(
         model.maximize(sum(start.values()))
     if hint is not None:
         times = inst.earliest(hint)
+        if times is not None and limit_units is not None:
+            if max(at + inst.dur[s][k] for (s, k, _), at in times.items()) > limit_units:
+                times = None  # a hint beyond the cutoff is no solution: left out, the solver searches on its own
         if times is not None:
             for op, at in times.items():
                 model.add_hint(start[op], at)
@@ -448,6 +462,9 @@ def solve(
     status = solver.solve(model)
     took = time.monotonic() - began
     if status == cp_model.INFEASIBLE and late is None:
+        if limit_units is not None:  # no order within the cutoff: every one is slower in the model
+            beyond = max(limit_units + 1, inst.cheap_bound()) / inst.scale
+            return SolverResult(None, None, beyond, True, False, inst.model, took)
         return SolverResult(None, None, None, False, True, inst.model, took)
     # a solve stopped before its own bound passed the cheap one (per rank, memory) still has that one
     bound = max(math.ceil(solver.best_objective_bound - 1e-6), inst.cheap_bound()) / inst.scale

@@ -307,14 +307,16 @@ def _solver_phase(
     weight 1/V^2 (one that proves early leaves its rest to the next). Returns the certificate and whether every
     solve ended."""
     jobs = [(v, placement) for v in setting.chunks for placement in (("loop", "v") if v > 1 else ("loop",))]
+    shapes = {_placed_as(setting.ranks, v, placement) for v, placement in jobs}
+    # within a V, the placement whose best order is faster first: the cutoff of the other is then the tighter
+    jobs.sort(key=lambda job: (job[0], _shape_best(tried, _placed_as(setting.ranks, *job))))
     proofs: list[Proof] = []
     model = cpsat.MODEL_IDEAL
     starved = False  # a solve found no order in its share: the larger models after it would not either
     placed_all = True  # every send/recv placement ran its moves to the end
     for index, (v, placement) in enumerate(jobs):
         name = "cpsat" if placement == "loop" else "cpsat-v"
-        stages = setting.ranks * v
-        where = loop_placement(setting.ranks, stages) if placement == "loop" else v_placement(setting.ranks, stages)
+        where = _placed_as(setting.ranks, v, placement)
         template = Program(
             name="tuned",
             ranks=setting.ranks,
@@ -338,6 +340,8 @@ def _solver_phase(
             why = "not solved: a smaller model found no order in its share of the time budget"
             note(Candidate(name, (), v, None, None, None, SKIPPED, why, phase=4, bound=bound), "solver")
             continue
+        # no order slower than tune's best of the solver's shapes can win: the solve looks only below it
+        cutoff = min((_shape_best(tried, shape) for shape in shapes), default=math.inf)
         found = cpsat.solve(
             template,
             costs,
@@ -348,6 +352,7 @@ def _solver_phase(
             hint,
             seed,
             workers,
+            cutoff=None if math.isinf(cutoff) else cutoff,
         )
         model = found.model
         if found.infeasible:
@@ -355,8 +360,14 @@ def _solver_phase(
             note(Candidate(name, (), v, None, None, None, ERROR, "no order fits the limit (proved)", phase=4), "solver")
             continue
         proofs.append(Proof(v, placement, found.bound, found.optimal, found.seconds))
+        if found.orders is None and found.optimal:
+            why = f"proved: no order of this shape is faster than {found.bound:g} (tune has {cutoff:g})"
+            note(Candidate(name, (), v, None, None, None, SKIPPED, why, phase=4, bound=found.bound), "solver")
+            continue
         if found.orders is None:
-            starved = True
+            # starved: with its own best as the hint it found none; one only cut off below another shape's best
+            # says nothing of the larger models
+            starved = starved or _shape_best(tried, where) <= cutoff + _EPSILON
             why = "the time budget ended before the solver found an order"
             note(Candidate(name, (), v, None, None, None, SKIPPED, why, phase=4, bound=found.bound), "solver")
             continue
@@ -368,6 +379,17 @@ def _solver_phase(
         note(candidate, "solver")
     certificate = Certificate(tuple(proofs), model, relaxed=setting.costs.message_time > 0)
     return certificate, placed_all and all(p.solved for p in proofs)
+
+
+def _placed_as(ranks: int, chunks: int, placement: str) -> tuple[int, ...]:
+    stages = ranks * chunks
+    return loop_placement(ranks, stages) if placement == "loop" else v_placement(ranks, stages)
+
+
+def _shape_best(tried: Sequence[Candidate], where: Sequence[int]) -> float:
+    """The least makespan of an ok candidate placed as `where` (inf: none)."""
+    spans = [c.makespan for c in tried if c.ok and c.program is not None and c.program.stage_to_rank == where]
+    return min(spans, default=math.inf)  # type: ignore[type-var, arg-type]
 
 
 def _closer(

@@ -31,7 +31,15 @@ from pipec.verify.memory import memory_profile
 pytestmark = pytest.mark.skipif(cpsat.available() is not None, reason="OR-tools is not installed")
 
 
-def solve(ranks: int, microbatches: int, cost: str | dict, limit: float, chunks: int = 1, placement: str = "loop"):
+def solve(
+    ranks: int,
+    microbatches: int,
+    cost: str | dict,
+    limit: float,
+    chunks: int = 1,
+    placement: str = "loop",
+    cutoff: float | None = None,
+):
     stages = ranks * chunks
     where = loop_placement(ranks, stages) if placement == "loop" else v_placement(ranks, stages)
     template = Program("t", ranks, microbatches, chunks, where, ((),) * ranks)
@@ -44,6 +52,7 @@ def solve(ranks: int, microbatches: int, cost: str | dict, limit: float, chunks:
         setting.stage_sizes(chunks),
         seconds=20,
         workers=1,
+        cutoff=cutoff,
     )
     return found, setting
 
@@ -81,6 +90,21 @@ def test_the_bound_is_below_every_schedule_and_a_proof_is_the_brute_force_optimu
     assert all(max(memory_profile(s)) <= limit + 1e-9 for s in found.orders.streams)
     if comm == 0:  # the orders take the makespan claimed in the model solved
         assert simulate(found.orders, costs, p2p="ideal").makespan == pytest.approx(found.makespan)
+
+
+@pytest.mark.parametrize("cost", ["F=1,I=2,W=1", "F=1,I=1,W=1,comm=0.5"])
+def test_a_cutoff_below_the_optimum_proves_a_bound_and_at_it_keeps_the_optimum(cost: str) -> None:
+    # tune passes its best makespan as the cutoff: below the optimum the solve finds no order and proves that
+    # none is faster than the cutoff plus a unit, a bound the brute force's optimum respects
+    ideal, nccl = brute_force(2, 3, cost, 2)
+    exact, _ = solve(2, 3, cost, 2)
+    assert exact.optimal and exact.makespan is not None and ideal is not None
+    assert ideal - 1e-9 <= exact.makespan <= nccl + 1e-9  # the model's optimum lies between the two
+    below, _ = solve(2, 3, cost, 2, cutoff=exact.makespan - 0.5)
+    assert below.orders is None and below.optimal and not below.infeasible
+    assert exact.makespan - 0.5 < below.bound <= exact.makespan <= nccl + 1e-9
+    at, _ = solve(2, 3, cost, 2, cutoff=exact.makespan)
+    assert at.optimal and at.makespan == exact.makespan
 
 
 def test_v_placement_and_per_stage_costs_against_the_simulator() -> None:

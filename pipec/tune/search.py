@@ -49,7 +49,9 @@ from pipec.verify.memory import memory_profile
 OK, OVER, INVALID, ERROR, SKIPPED = "ok", "over-memory", "invalid", "error", "skipped"
 KEEP = 3  # phase 3 improves this many of the best distinct orders
 SOLVER_SHARE = 0.5  # of the time left after phase 2, for phase 4 (with the solver: after tune's own local moves)
-SOLVER_AFTER_MOVES = 0.75  # of the time left after the solver's start, for the solver (the rest: moves on its orders)
+SOLVER_AFTER_MOVES = 0.9  # of the time left after the solver's start, for the solver (the rest: moves on its orders)
+RESOLVES = 2  # the most times a shape not proved is solved again with the time its first solve left
+RESOLVE_SECONDS = 2.0  # the least time for a solve again (less gets no further than the last one)
 LATE_SEEDS = 4  # the most `late` re-solves (one a seed) that _closer tries for an order nccl runs slower
 LATE_SECONDS = 3.0  # the least time for one of them (measured: 1 s often stops short of the latest orders)
 PLACEMENT_SHARE = 0.1  # of the budget, kept from phase 3 for placing the best order's send/recv (_placed)
@@ -303,82 +305,121 @@ def _solver_phase(
     setting: Setting, tried: list[Candidate], deadline: float, seed: int, note: Callable[..., None], workers: int
 ) -> tuple[Certificate, bool]:
     """Phase 4 with CP-SAT: one model per V of --chunks and placement (loop; v too at V > 1), each warm-started
-    from the best verified order of its shape so far, the time to `deadline` shared among the solves left by
-    weight 1/V^2 (one that proves early leaves its rest to the next). Returns the certificate and whether every
-    solve ended."""
+    from the best verified order of its shape so far and cut off at tune's best makespan, the time to `deadline`
+    shared among the solves left by weight 1/V^2 (one that proves early leaves its rest to the next). What is
+    left after them goes to the shapes not proved, solved again from the best order then known (up to RESOLVES
+    times; a shape's bound is the greatest of its solves'). Returns the certificate and whether every solve ended."""
     jobs = [(v, placement) for v in setting.chunks for placement in (("loop", "v") if v > 1 else ("loop",))]
     shapes = {_placed_as(setting.ranks, v, placement) for v, placement in jobs}
     # within a V, the placement whose best order is faster first: the cutoff of the other is then the tighter
     jobs.sort(key=lambda job: (job[0], _shape_best(tried, _placed_as(setting.ranks, *job))))
-    proofs: list[Proof] = []
+    proofs: dict[tuple[int, str], Proof] = {}
     model = cpsat.MODEL_IDEAL
     starved = False  # a solve found no order in its share: the larger models after it would not either
     placed_all = True  # every send/recv placement ran its moves to the end
-    for index, (v, placement) in enumerate(jobs):
-        name = "cpsat" if placement == "loop" else "cpsat-v"
-        where = _placed_as(setting.ranks, v, placement)
-        template = Program(
-            name="tuned",
-            ranks=setting.ranks,
-            microbatches=setting.microbatches,
-            chunks=v,
-            stage_to_rank=where,
-            streams=((),) * setting.ranks,
-        )
-        shape = [c for c in tried if c.ok and c.program is not None and c.program.stage_to_rank == where]
-        hint = min(shape, key=Candidate.key).program.compute_streams() if shape else None  # type: ignore[union-attr]
-        # the time left, shared by weight 1/V^2 among the solves left: a smaller model is likelier to be proved
-        # (the model grows with V, and its proofs harder still)
-        weights = [1 / chunks**2 for chunks, _ in jobs[index:]]
-        share = max(0.0, deadline - time.monotonic()) * weights[0] / sum(weights)
-        costs = setting.stage_costs(v)
-        if starved:  # its time goes to the local moves; its bound is the cheap one (per rank, memory)
-            bound = cpsat.cheap_bound(
-                template, costs, setting.limit, setting.costs.input_fraction, setting.stage_sizes(v)
+    pending = list(jobs)
+    for again in range(RESOLVES + 1):
+        for index, (v, placement) in enumerate(pending):
+            # the time left, shared by weight 1/V^2 among the solves left: a smaller model is likelier to be
+            # proved (the model grows with V, and its proofs harder still)
+            weights = [1 / chunks**2 for chunks, _ in pending[index:]]
+            fraction = weights[0] / sum(weights)
+            if again and max(0.0, deadline - time.monotonic()) * fraction < RESOLVE_SECONDS:
+                continue  # too little for a solve again to get further than the last
+            model, finished, starving = _solve_shape(
+                setting, tried, (v, placement), shapes, fraction, deadline, seed, note, workers, proofs, again, starved
             )
-            proofs.append(Proof(v, placement, bound, False))
-            why = "not solved: a smaller model found no order in its share of the time budget"
-            note(Candidate(name, (), v, None, None, None, SKIPPED, why, phase=4, bound=bound), "solver")
-            continue
-        # no order slower than tune's best of the solver's shapes can win: the solve looks only below it
-        cutoff = min((_shape_best(tried, shape) for shape in shapes), default=math.inf)
-        found = cpsat.solve(
-            template,
-            costs,
-            setting.limit,
-            setting.costs.input_fraction,
-            setting.stage_sizes(v),
-            share,
-            hint,
-            seed,
-            workers,
-            cutoff=None if math.isinf(cutoff) else cutoff,
-        )
-        model = found.model
-        if found.infeasible:
-            proofs.append(Proof(v, placement, math.inf, True, found.seconds))
-            note(Candidate(name, (), v, None, None, None, ERROR, "no order fits the limit (proved)", phase=4), "solver")
-            continue
-        proofs.append(Proof(v, placement, found.bound, found.optimal, found.seconds))
-        if found.orders is None and found.optimal:
-            why = f"proved: no order of this shape is faster than {found.bound:g} (tune has {cutoff:g})"
-            note(Candidate(name, (), v, None, None, None, SKIPPED, why, phase=4, bound=found.bound), "solver")
-            continue
-        if found.orders is None:
-            # starved: with its own best as the hint it found none; one only cut off below another shape's best
-            # says nothing of the larger models
-            starved = starved or _shape_best(tried, where) <= cutoff + _EPSILON
-            why = "the time budget ended before the solver found an order"
-            note(Candidate(name, (), v, None, None, None, SKIPPED, why, phase=4, bound=found.bound), "solver")
-            continue
-        candidate = evaluate(name, (), found.orders, setting, phase=4, bound=found.bound)
-        if candidate.ok and found.makespan is not None and candidate.makespan > found.makespan + _EPSILON:  # type: ignore[operator]
-            share = max(0.0, deadline - time.monotonic()) * weights[0] / sum(weights)
-            candidate, finished = _closer(candidate, found, template, setting, time.monotonic() + share, seed, workers)
             placed_all = placed_all and finished
+            starved = starved or starving
+        pending = [job for job in jobs if not proofs[job].solved and proofs[job].seconds > 0]
+        if not pending:
+            break
+    certificate = Certificate(tuple(proofs[job] for job in jobs), model, relaxed=setting.costs.message_time > 0)
+    return certificate, placed_all and all(p.solved for p in proofs.values())
+
+
+def _solve_shape(
+    setting: Setting,
+    tried: list[Candidate],
+    job: tuple[int, str],
+    shapes: set[tuple[int, ...]],
+    fraction: float,
+    deadline: float,
+    seed: int,
+    note: Callable[..., None],
+    workers: int,
+    proofs: dict[tuple[int, str], Proof],
+    again: int,
+    starved: bool,
+) -> tuple[str, bool, bool]:
+    """One solve of `_solver_phase` (its `again`-th for this shape), in `fraction` of the time to `deadline` (as
+    much again for placing the send/recv of an order that nccl runs slower): records the shape's proof (the
+    greatest bound of its solves) and notes its candidate (on a solve again, only one faster than the shape had).
+    Returns the solver's model, whether the placement ran to its end, and whether the solve starved (found no
+    order from its own best)."""
+    v, placement = job
+    name = "cpsat" if placement == "loop" else "cpsat-v"
+    where = _placed_as(setting.ranks, v, placement)
+    template = Program(
+        name="tuned",
+        ranks=setting.ranks,
+        microbatches=setting.microbatches,
+        chunks=v,
+        stage_to_rank=where,
+        streams=((),) * setting.ranks,
+    )
+    shape = [c for c in tried if c.ok and c.program is not None and c.program.stage_to_rank == where]
+    hint = min(shape, key=Candidate.key).program.compute_streams() if shape else None  # type: ignore[union-attr]
+    costs = setting.stage_costs(v)
+    before = proofs.get(job)
+    if starved:  # its time goes to the local moves; its bound is the cheap one (per rank, memory)
+        bound = cpsat.cheap_bound(template, costs, setting.limit, setting.costs.input_fraction, setting.stage_sizes(v))
+        proofs[job] = Proof(v, placement, bound, False)
+        why = "not solved: a smaller model found no order in its share of the time budget"
+        note(Candidate(name, (), v, None, None, None, SKIPPED, why, phase=4, bound=bound), "solver")
+        return cpsat.MODEL_IDEAL, True, False
+    # no order slower than tune's best of the solver's shapes can win: the solve looks only below it
+    cutoff = min((_shape_best(tried, other) for other in shapes), default=math.inf)
+    found = cpsat.solve(
+        template,
+        costs,
+        setting.limit,
+        setting.costs.input_fraction,
+        setting.stage_sizes(v),
+        max(0.0, deadline - time.monotonic()) * fraction,
+        hint,
+        seed + again,
+        workers,
+        cutoff=None if math.isinf(cutoff) else cutoff,
+    )
+    took = found.seconds + (before.seconds if before is not None else 0.0)
+    if found.infeasible:
+        proofs[job] = Proof(v, placement, math.inf, True, took)
+        note(Candidate(name, (), v, None, None, None, ERROR, "no order fits the limit (proved)", phase=4), "solver")
+        return found.model, True, False
+    bounds = [b for b in (found.bound, before.bound if before is not None else None) if b is not None]
+    solved = found.optimal or (before is not None and before.solved)
+    proofs[job] = Proof(v, placement, max(bounds) if bounds else None, solved, took)
+    bound = proofs[job].bound
+    if found.orders is None:
+        if again:
+            return found.model, True, False
+        if found.optimal:
+            why = f"proved: no order of this shape is faster than {found.bound:g} (tune has {cutoff:g})"
+        else:
+            why = "the time budget ended before the solver found an order"
+        note(Candidate(name, (), v, None, None, None, SKIPPED, why, phase=4, bound=bound), "solver")
+        # starved: with its own best as the hint it found none; one only cut off below another shape's best
+        # says nothing of the larger models
+        return found.model, True, not found.optimal and _shape_best(tried, where) <= cutoff + _EPSILON
+    candidate = evaluate(name, (), found.orders, setting, phase=4, bound=bound)
+    finished = True
+    if candidate.ok and found.makespan is not None and candidate.makespan > found.makespan + _EPSILON:  # type: ignore[operator]
+        until = time.monotonic() + max(0.0, deadline - time.monotonic()) * fraction
+        candidate, finished = _closer(candidate, found, template, setting, until, seed, workers)
+    if not again or (candidate.ok and candidate.makespan < _shape_best(tried, where) - _EPSILON):  # type: ignore[operator]
         note(candidate, "solver")
-    certificate = Certificate(tuple(proofs), model, relaxed=setting.costs.message_time > 0)
-    return certificate, placed_all and all(p.solved for p in proofs)
+    return found.model, finished, False
 
 
 def _placed_as(ranks: int, chunks: int, placement: str) -> tuple[int, ...]:

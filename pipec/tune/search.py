@@ -318,11 +318,15 @@ def _solver_phase(
     starved = False  # a solve found no order in its share: the larger models after it would not either
     placed_all = True  # every send/recv placement ran its moves to the end
     pending = list(jobs)
+    first: dict[int, tuple[int, str]] = {}  # per V, its placement solved first
+    for job in jobs:
+        first.setdefault(job[0], job)
     for again in range(RESOLVES + 1):
         for index, (v, placement) in enumerate(pending):
             # the time left, shared by weight 1/V^2 among the solves left: a smaller model is likelier to be
-            # proved (the model grows with V, and its proofs harder still)
-            weights = [1 / chunks**2 for chunks, _ in pending[index:]]
+            # proved (the model grows with V, and its proofs harder still); within a V, twice that for the
+            # placement solved first (its best is faster: its bound is likelier the run's, the other's cutoff tighter)
+            weights = [(2 if job == first[job[0]] else 1) / job[0] ** 2 for job in pending[index:]]
             fraction = weights[0] / sum(weights)
             if again and max(0.0, deadline - time.monotonic()) * fraction < RESOLVE_SECONDS:
                 continue  # too little for a solve again to get further than the last

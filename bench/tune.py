@@ -170,7 +170,8 @@ def gap_grid_mode(args: argparse.Namespace) -> None:
     1, 1.5, 2}·P, the mixes F:I:W = 1:1:1, 1:2:1, 1:1:2, 2:1:1 and a last stage twice as slow, comm=--comm).
     With comm > 0 a third run, `unplaced`, keeps the solver but places send/recv by place_p2p only (tune before
     pipec.tune.placement); `tune s` is the wall time of the three runs (and their CPU time, the solver's threads
-    included: on a shared machine the one to compare)."""
+    included: on a shared machine the one to compare); `check` the exit code of `pipec check` on the winner's file
+    (0: it verifies from its file)."""
     from pipec.sim.costs import parse_costs
     from pipec.tune import Setting, cpsat, library_sources, search, tune
 
@@ -212,6 +213,7 @@ def gap_grid_mode(args: argparse.Namespace) -> None:
                     if after is None or cert is None or cert.bound is None:
                         print(f"P={ranks} M={microbatches} X={limit:g} {mix}: nothing fits or no bound")
                         continue
+                    checked = f" check {recheck(result, {**cost_map(mix, ranks), 'comm': args.comm})}"
                     bound = cert.bound
                     gap_a = after.makespan / bound - 1  # type: ignore[operator]
                     gap_b = math.nan if before is None else before.makespan / bound - 1  # type: ignore[operator]
@@ -225,11 +227,27 @@ def gap_grid_mode(args: argparse.Namespace) -> None:
                     print(
                         f"{f'P={ranks} M={microbatches} X={limit:g} {mix}':<34} {shown_before:>8} "
                         f"{middle:>9} {after.makespan:>8g} {bound:>8g} {gap_b:>10.2%} {gap_a:>9.2%} {proof:>7}  "
-                        f"{time.monotonic() - began:.1f} (CPU {time.process_time() - began_cpu:.1f})",
+                        f"{time.monotonic() - began:.1f} (CPU {time.process_time() - began_cpu:.1f}){checked}",
                         flush=True,
                     )
     print(f"worst gap to the bound: before {worst_before:.2%}, after {worst_after:.2%}", end="")
     print(f" (solver with place_p2p only: {worst_unplaced:.2%})" if args.comm > 0 else "")
+
+
+def recheck(result, costs_map: dict) -> int:
+    """`pipec check FILE --per-rank-share --cost COSTS.json --memory-limit X` on tune's winner written as tune
+    writes it: its exit code (0: it verifies from its file)."""
+    import tempfile
+
+    from pipec.tune import schedule_text
+
+    with tempfile.TemporaryDirectory() as scratch:
+        cost_file, out = Path(scratch) / "costs.json", Path(scratch) / "best.pipe"
+        cost_file.write_text(json.dumps(costs_map))
+        out.write_text(schedule_text(result, str(cost_file), str(out)))
+        argv = [sys.executable, "-m", "pipec", "check", str(out), "--per-rank-share", "--cost", str(cost_file)]
+        argv += ["--memory-limit", repr(result.setting.limit)]
+        return subprocess.run(argv, capture_output=True, cwd=ROOT, check=False).returncode
 
 
 def main() -> None:

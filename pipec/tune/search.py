@@ -330,9 +330,22 @@ def _solver_phase(
             fraction = weights[0] / sum(weights)
             if again and max(0.0, deadline - time.monotonic()) * fraction < RESOLVE_SECONDS:
                 continue  # too little for a solve again to get further than the last
-            model, finished, starving = _solve_shape(
-                setting, tried, (v, placement), shapes, fraction, deadline, seed, note, workers, proofs, again, starved
+            # a solve again has only the time that the first round left: a starved round does not skip it
+            solved_as, finished, starving = _solve_shape(
+                setting,
+                tried,
+                (v, placement),
+                shapes,
+                fraction,
+                deadline,
+                seed,
+                note,
+                workers,
+                proofs,
+                again,
+                starved and not again,
             )
+            model = solved_as or model
             placed_all = placed_all and finished
             starved = starved or starving
         pending = [job for job in jobs if not proofs[job].solved and proofs[job].seconds > 0]
@@ -355,12 +368,12 @@ def _solve_shape(
     proofs: dict[tuple[int, str], Proof],
     again: int,
     starved: bool,
-) -> tuple[str, bool, bool]:
+) -> tuple[str | None, bool, bool]:
     """One solve of `_solver_phase` (its `again`-th for this shape), in `fraction` of the time to `deadline` (as
     much again for placing the send/recv of an order that nccl runs slower): records the shape's proof (the
     greatest bound of its solves) and notes its candidate (on a solve again, only one faster than the shape had).
-    Returns the solver's model, whether the placement ran to its end, and whether the solve starved (found no
-    order from its own best)."""
+    Returns the solver's model (None: no solve ran), whether the placement ran to its end, and whether the solve
+    starved (found no order from its own best)."""
     v, placement = job
     name = "cpsat" if placement == "loop" else "cpsat-v"
     where = _placed_as(setting.ranks, v, placement)
@@ -381,7 +394,7 @@ def _solve_shape(
         proofs[job] = Proof(v, placement, bound, False)
         why = "not solved: a smaller model found no order in its share of the time budget"
         note(Candidate(name, (), v, None, None, None, SKIPPED, why, phase=4, bound=bound), "solver")
-        return cpsat.MODEL_IDEAL, True, False
+        return None, True, False
     # no order slower than tune's best of the solver's shapes can win: the solve looks only below it
     cutoff = min((_shape_best(tried, other) for other in shapes), default=math.inf)
     found = cpsat.solve(

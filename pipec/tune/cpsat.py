@@ -419,10 +419,6 @@ def solve(
     for s, k, m in ops:  # counter order, without loss (module docstring, "symmetry")
         if m + 1 < inst.n_mb:
             model.add(start[(s, k, m + 1)] >= start[(s, k, m)] + inst.dur[s][k])
-            if (s, k, m) in posts:
-                # a channel's posts in micro-batch order too: with the consumers in counter order, swapping two
-                # posts' messages so that the earlier micro-batch takes the earlier post delays nothing
-                model.add(posts[(s, k, m + 1)] >= posts[(s, k, m)] + post)
     makespan = model.new_int_var(0, horizon, "makespan")
     # a rank starts no earlier than its first forward can, then runs all its work and posts one at a time
     # (CP-SAT's no-overlap does not give the LP this: at loose memory its bound stayed far below it)

@@ -29,7 +29,9 @@ The model, per (V, placement), ops (stage s, kind k in F/I/W, micro-batch m) of 
   micro-batch k keeps it valid (by the start of its k-th op a stage has consumed k distinct inputs, so the k-th
   of them has ended) and keeps every rank's memory profile (the deltas depend on stage and kind only); so the
   bound holds for every order, not only for counter orders;
-- **objective**: the makespan (every op ends by it), warm-started from the best order tune found so far.
+- **objective**: the makespan (every op ends by it), warm-started from the best order tune found so far, and cut
+  off at tune's best makespan (`solve`'s `cutoff`: an order slower in the model is slower under nccl, so the cut
+  loses nothing tune could return; a solve with no order under it proves that bound).
 
 What is exact and what is relaxed: the model is pipec's `ideal` p2p model (with the posting cost when
 `overlap=0`), which never times a compute order later than `nccl` does (nccl also waits for whole batches and

@@ -330,6 +330,27 @@ def _counted(
     model.add(live + sum(inst.change[s][k] * b for (k, _), b in before.items()) <= inst.limit)
 
 
+def _hint(model, inst: _Instance, hint, limit_units: int | None, start, posts, lengths, befores, makespan) -> None:
+    """Warm-start the solve from per-rank compute orders (their earliest timing in the model): every op's start,
+    each post, memory interval and "before" Boolean, and the makespan. A hint beyond the cutoff is no solution
+    and is left out (the solver then searches on its own)."""
+    times = inst.earliest(hint)
+    if times is None:
+        return
+    span = max(at + inst.dur[s][k] for (s, k, _), at in times.items())
+    if limit_units is not None and span > limit_units:
+        return
+    for op, at in times.items():
+        model.add_hint(start[op], at)
+        if op in posts:
+            model.add_hint(posts[op], at + inst.dur[op[0]][op[1]])
+    for length, lo, hi in lengths:
+        model.add_hint(length, times[hi] - times[lo])
+    for b, first, then in befores:
+        model.add_hint(b, times[first] < times[then])
+    model.add_hint(makespan, span)
+
+
 def cheap_bound(
     template: Program,
     costs: Costs,
@@ -439,20 +460,7 @@ def solve(
         model.add(makespan <= round(late * inst.scale))
         model.maximize(sum(start.values()))
     if hint is not None:
-        times = inst.earliest(hint)
-        if times is not None and limit_units is not None:
-            if max(at + inst.dur[s][k] for (s, k, _), at in times.items()) > limit_units:
-                times = None  # a hint beyond the cutoff is no solution: left out, the solver searches on its own
-        if times is not None:
-            for op, at in times.items():
-                model.add_hint(start[op], at)
-                if op in posts:
-                    model.add_hint(posts[op], at + inst.dur[op[0]][op[1]])
-            for length, lo, hi in lengths:
-                model.add_hint(length, times[hi] - times[lo])
-            for b, first, then in befores:
-                model.add_hint(b, times[first] < times[then])
-            model.add_hint(makespan, max(at + inst.dur[s][k] for (s, k, _), at in times.items()))
+        _hint(model, inst, hint, limit_units, start, posts, lengths, befores, makespan)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.05, seconds - (time.monotonic() - began))
     solver.parameters.num_workers = workers

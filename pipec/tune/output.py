@@ -15,7 +15,8 @@ from fractions import Fraction
 from pipec.compiler import compute_orders
 from pipec.emit import dump_text
 from pipec.errors import PipecError
-from pipec.tune.search import OK, Candidate, TuneResult, evaluate, gap_to, proves_optimal
+from pipec.tune.candidates import OK, Candidate, evaluate, gap_to, proves_optimal
+from pipec.tune.search import TuneResult
 
 UNITS = "per-rank-share"
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
@@ -168,7 +169,9 @@ def gap_grid_mode(args: argparse.Namespace) -> None:
     against tune with the CP-SAT phase, on the issue's V=1 grid (P in --gap-ranks, M in {P, 2P, 3P}, X in {0.5,
     1, 1.5, 2}·P, the mixes F:I:W = 1:1:1, 1:2:1, 1:1:2, 2:1:1 and a last stage twice as slow, comm=--comm).
     With comm > 0 a third run, `unplaced`, keeps the solver but places send/recv by place_p2p only (tune before
-    pipec.tune.placement); `tune s` is the wall time of the three runs."""
+    pipec.tune.placement); `tune s` is the wall time of the three runs (and their CPU time, the solver's threads
+    included: on a shared machine the one to compare); `check` the exit code of `pipec check` on the winner's file
+    (0: it verifies from its file)."""
     from pipec.sim.costs import parse_costs
     from pipec.tune import Setting, cpsat, library_sources, search, tune
 
@@ -186,16 +189,20 @@ def gap_grid_mode(args: argparse.Namespace) -> None:
             for scale in (0.5, 1.0, 1.5, 2.0):
                 for mix in mixes:
                     microbatches, limit = factor * ranks, scale * ranks
-                    began = time.monotonic()
+                    began, began_cpu = time.monotonic(), time.process_time()
                     costs = parse_costs({**cost_map(mix, ranks), "comm": args.comm})
                     setting = Setting(ranks, microbatches, costs, limit, (1,))
-                    cpsat.available = lambda: "off for the 'before' column"  # type: ignore[assignment]
-                    try:
-                        before = tune(setting, library_sources(), time_budget=args.grid_budget).best
-                    finally:
-                        cpsat.available = available  # type: ignore[assignment]
+                    before = None
+                    if not args.gap_skip_before:
+                        cpsat.available = lambda: "off for the 'before' column"  # type: ignore[assignment]
+                        try:
+                            before = tune(setting, library_sources(), time_budget=args.grid_budget).best
+                        finally:
+                            cpsat.available = available  # type: ignore[assignment]
                     unplaced = None
-                    if args.comm > 0:  # the solver with pipec's cost-timed placement only (tune before #23 round 2)
+                    if (
+                        args.comm > 0 and not args.gap_skip_before
+                    ):  # the solver with pipec's cost-timed placement only (tune before #23 round 2)
                         search._placed = lambda candidate, *_: (candidate, True)  # type: ignore[assignment]
                         try:
                             unplaced = tune(setting, library_sources(), time_budget=args.grid_budget).best
@@ -203,24 +210,44 @@ def gap_grid_mode(args: argparse.Namespace) -> None:
                             search._placed = placed  # type: ignore[assignment]
                     result = tune(setting, library_sources(), time_budget=args.grid_budget)
                     after, cert = result.best, result.certificate
-                    if before is None or after is None or cert is None or cert.bound is None:
+                    if after is None or cert is None or cert.bound is None:
                         print(f"P={ranks} M={microbatches} X={limit:g} {mix}: nothing fits or no bound")
                         continue
+                    checked = f" check {recheck(result, {**cost_map(mix, ranks), 'comm': args.comm})}"
                     bound = cert.bound
-                    gap_b, gap_a = before.makespan / bound - 1, after.makespan / bound - 1  # type: ignore[operator]
-                    worst_before, worst_after = max(worst_before, gap_b), max(worst_after, gap_a)
+                    gap_a = after.makespan / bound - 1  # type: ignore[operator]
+                    gap_b = math.nan if before is None else before.makespan / bound - 1  # type: ignore[operator]
+                    worst_after = max(worst_after, gap_a)
+                    worst_before = worst_before if before is None else max(worst_before, gap_b)
+                    shown_before = "-" if before is None else f"{before.makespan:g}"
                     middle = "-" if unplaced is None else f"{unplaced.makespan:g}"
                     if unplaced is not None:
                         worst_unplaced = max(worst_unplaced, unplaced.makespan / bound - 1)  # type: ignore[operator]
                     proof = f"{sum(p.seconds for p in cert.proofs):.1f}" if all(p.solved for p in cert.proofs) else "-"
                     print(
-                        f"{f'P={ranks} M={microbatches} X={limit:g} {mix}':<34} {before.makespan:>8g} "
+                        f"{f'P={ranks} M={microbatches} X={limit:g} {mix}':<34} {shown_before:>8} "
                         f"{middle:>9} {after.makespan:>8g} {bound:>8g} {gap_b:>10.2%} {gap_a:>9.2%} {proof:>7}  "
-                        f"{time.monotonic() - began:.1f}",
+                        f"{time.monotonic() - began:.1f} (CPU {time.process_time() - began_cpu:.1f}){checked}",
                         flush=True,
                     )
     print(f"worst gap to the bound: before {worst_before:.2%}, after {worst_after:.2%}", end="")
     print(f" (solver with place_p2p only: {worst_unplaced:.2%})" if args.comm > 0 else "")
+
+
+def recheck(result, costs_map: dict) -> int:
+    """`pipec check FILE --per-rank-share --cost COSTS.json --memory-limit X` on tune's winner written as tune
+    writes it: its exit code (0: it verifies from its file)."""
+    import tempfile
+
+    from pipec.tune import schedule_text
+
+    with tempfile.TemporaryDirectory() as scratch:
+        cost_file, out = Path(scratch) / "costs.json", Path(scratch) / "best.pipe"
+        cost_file.write_text(json.dumps(costs_map))
+        out.write_text(schedule_text(result, str(cost_file), str(out)))
+        argv = [sys.executable, "-m", "pipec", "check", str(out), "--per-rank-share", "--cost", str(cost_file)]
+        argv += ["--memory-limit", repr(result.setting.limit)]
+        return subprocess.run(argv, capture_output=True, cwd=ROOT, check=False).returncode
 
 
 def main() -> None:
@@ -236,6 +263,9 @@ def main() -> None:
     parser.add_argument("--gap-ranks", type=int, nargs="+", default=[4, 8], metavar="P")
     parser.add_argument("--comm", type=float, default=0.0, help="--gap-grid: the message time")
     parser.add_argument("--gap-mixes", nargs="+", metavar="MIX", help="--gap-grid: these mixes only (1:2:1 ...)")
+    parser.add_argument(
+        "--gap-skip-before", action="store_true", help="--gap-grid: tune with the solver only (no 'before' runs)"
+    )
     parser.add_argument(
         "--gap-factors", type=int, nargs="+", default=[1, 2, 3], metavar="K", help="--gap-grid: M = K·P only"
     )

@@ -9,12 +9,14 @@
 
 Costs and the limit are per rank share of the model (docs/simulator.md, `--per-rank-share`), so candidates of
 different V compare. `space` draws the library's candidates, `greedy` list-schedules orders under the costs,
-`exact` searches them exactly at small sizes, `search` verifies, ranks and improves them, `output` writes the
-winner as a self-contained .pipe file.
+`exact` searches them exactly at small sizes, `cpsat` solves them exactly on CP-SAT, `candidates` judges each
+one (verified and simulated) and holds the certificate's rule, `search` ranks and improves them, `output` writes
+the winner as a self-contained .pipe file.
 """
 
+from pipec.tune.candidates import Candidate, evaluate
 from pipec.tune.output import candidates_json, schedule_text, table_text
-from pipec.tune.search import Candidate, Setting, TuneResult, evaluate, tune
+from pipec.tune.search import Setting, TuneResult, tune
 from pipec.tune.space import library_sources
 
 __all__ = [

@@ -29,7 +29,9 @@ The model, per (V, placement), ops (stage s, kind k in F/I/W, micro-batch m) of 
   micro-batch k keeps it valid (by the start of its k-th op a stage has consumed k distinct inputs, so the k-th
   of them has ended) and keeps every rank's memory profile (the deltas depend on stage and kind only); so the
   bound holds for every order, not only for counter orders;
-- **objective**: the makespan (every op ends by it), warm-started from the best order tune found so far.
+- **objective**: the makespan (every op ends by it), warm-started from the best order tune found so far, and cut
+  off at tune's best makespan (`solve`'s `cutoff`: an order slower in the model is slower under nccl, so the cut
+  loses nothing tune could return; a solve with no order under it proves that bound).
 
 What is exact and what is relaxed: the model is pipec's `ideal` p2p model (with the posting cost when
 `overlap=0`), which never times a compute order later than `nccl` does (nccl also waits for whole batches and
@@ -331,6 +333,27 @@ def _counted(
     model.add(live + sum(inst.change[s][k] * b for (k, _), b in before.items()) <= inst.limit)
 
 
+def _hint(model, inst: _Instance, hint, limit_units: int | None, start, posts, lengths, befores, makespan) -> None:
+    """Warm-start the solve from per-rank compute orders (their earliest timing in the model): every op's start,
+    each post, memory interval and "before" Boolean, and the makespan. A hint beyond the cutoff is no solution
+    and is left out (the solver then searches on its own)."""
+    times = inst.earliest(hint)
+    if times is None:
+        return
+    span = max(at + inst.dur[s][k] for (s, k, _), at in times.items())
+    if limit_units is not None and span > limit_units:
+        return
+    for op, at in times.items():
+        model.add_hint(start[op], at)
+        if op in posts:
+            model.add_hint(posts[op], at + inst.dur[op[0]][op[1]])
+    for length, lo, hi in lengths:
+        model.add_hint(length, times[hi] - times[lo])
+    for b, first, then in befores:
+        model.add_hint(b, times[first] < times[then])
+    model.add_hint(makespan, span)
+
+
 def cheap_bound(
     template: Program,
     costs: Costs,
@@ -371,6 +394,7 @@ def solve(
     seed: int = 0,
     workers: int = WORKERS,
     late: float | None = None,
+    cutoff: float | None = None,
 ) -> SolverResult:
     """The least-makespan compute orders for `template`'s P, M, V and placement (module docstring), within
     `seconds` of solver time. `hint`: per-rank compute orders to start from (the best tune has). `workers`:
@@ -378,7 +402,10 @@ def solve(
     be positive (the memory intervals read a rank's order from distinct start times). `late`: instead, among
     the orders of makespan at most `late`, one that runs every op as late as it allows (the greatest sum of
     starts): an optimal order with slack left early can lose time under nccl, where a receive posted with
-    slack joins a batch that a later input holds back."""
+    slack joins a batch that a later input holds back. `cutoff`: only orders of model makespan at most this (the
+    best nccl makespan tune has, of any shape): one slower in the model is slower under nccl too, so nothing tune
+    could win is cut; a solve with no order within it proves the bound `cutoff` plus one unit (a result without
+    orders, `optimal` true: the bound is proved; `infeasible` stays for the memory limit's own)."""
     from ortools.sat.python import cp_model
 
     began = time.monotonic()
@@ -427,23 +454,16 @@ def solve(
     for op in ops:
         if op[1] == _W:  # every op is followed by a W of its stage and micro-batch (posts by their consumers)
             model.add(makespan >= start[op] + inst.dur[op[0]][_W])
+    limit_units = None if cutoff is None else math.floor(cutoff * inst.scale + 1e-6)
+    if limit_units is not None:
+        model.add(makespan <= limit_units)
     if late is None:
         model.minimize(makespan)
     else:
         model.add(makespan <= round(late * inst.scale))
         model.maximize(sum(start.values()))
     if hint is not None:
-        times = inst.earliest(hint)
-        if times is not None:
-            for op, at in times.items():
-                model.add_hint(start[op], at)
-                if op in posts:
-                    model.add_hint(posts[op], at + inst.dur[op[0]][op[1]])
-            for length, lo, hi in lengths:
-                model.add_hint(length, times[hi] - times[lo])
-            for b, first, then in befores:
-                model.add_hint(b, times[first] < times[then])
-            model.add_hint(makespan, max(at + inst.dur[s][k] for (s, k, _), at in times.items()))
+        _hint(model, inst, hint, limit_units, start, posts, lengths, befores, makespan)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.05, seconds - (time.monotonic() - began))
     solver.parameters.num_workers = workers
@@ -451,6 +471,9 @@ def solve(
     status = solver.solve(model)
     took = time.monotonic() - began
     if status == cp_model.INFEASIBLE and late is None:
+        if limit_units is not None:  # no order within the cutoff: every one is slower in the model
+            beyond = max(limit_units + 1, inst.cheap_bound()) / inst.scale
+            return SolverResult(None, None, beyond, True, False, inst.model, took)
         return SolverResult(None, None, None, False, True, inst.model, took)
     # a solve stopped before its own bound passed the cheap one (per rank, memory) still has that one
     bound = max(math.ceil(solver.best_objective_bound - 1e-6), inst.cheap_bound()) / inst.scale

@@ -17,7 +17,8 @@ from pipec.emit.text import rank_lines
 from pipec.errors import PipecError
 from pipec.ir import Program
 from pipec.passes.sync import copy_orders
-from pipec.tune.search import OK, Candidate, TuneResult, evaluate, gap_to, proves_optimal
+from pipec.tune.candidates import OK, Candidate, evaluate, gap_to, proves_optimal
+from pipec.tune.search import TuneResult
 
 UNITS = "per-rank-share"
 

@@ -8,16 +8,19 @@ skipped. Only ok candidates rank: makespan, then peak memory, then name.
 
 Phases: 1, every library schedule and `--from` file over its V and parameters (always completes, so tune is never
 worse than the library); 2, list-scheduled orders (pipec.passes.list_schedule) under the costs and the limit, for
-each V of `--chunks` and placement loop or v; 4, the exact phase, given at most half of the time left: with
-OR-tools, a CP-SAT model per V and placement (pipec.tune.cpsat), warm-started from the best order so far, whose
-lower bounds make the certificate (`Certificate`: proved optimal, or within a gap); without it, for small sizes
-(3·P·M·V <= 64), the branch and bound (pipec.tune.exact); 3, local moves on the best few orders (move one W past
-a neighbour on its rank, either way, or pull one F earlier), a move kept when the result verifies, fits, is not
-slower and moves work earlier (the makespan, then the sum of the ops' end times, decreases: plateaus of the makespan are
-common, and crossing them is what finds the faster orders), in a seeded order, first improvement, until no move
-helps or the time budget runs out. A solver order that runs slower under nccl than in the model, and the winner
-at the end, get their send/recv placed again from the timing (pipec.tune.placement; `_closer`, `_placed`),
-kept when that verifies and runs faster; such a candidate is written with its send/recv (`own_placement`).
+each V of `--chunks` and placement loop or v; 3, local moves on the best few orders (move one W past a neighbour on
+its rank, either way, or pull one F earlier), a move kept when the result verifies, fits, is not slower and moves
+work earlier (the makespan, then the sum of the ops' end times, decreases: plateaus of the makespan are common, and
+crossing them is what finds the faster orders), in a seeded order, first improvement, until no move helps or its
+time runs out; 4, the exact phase: with OR-tools, a CP-SAT model per V and placement (pipec.tune.cpsat),
+warm-started from the best order of its shape so far, whose lower bounds make the certificate (`Certificate`:
+proved optimal, or within a gap); without it, for small sizes (3·P·M·V <= 64), the branch and bound
+(pipec.tune.exact). Without the solver the order is 1, 2, 4, 3 (tune before the solver). With it, 1, 2, 3 on the
+best orders of phases 1 and 2 (tune without the solver, as it runs alone: so tune is never worse than it when
+those moves end), then 4, then 3 again on the solver's orders not at its bound. A solver order that runs slower
+under nccl than in the model, tune's own best and the winner at the end get their send/recv placed again from the
+timing (pipec.tune.placement; `_closer`, `_placed`), kept when that verifies and runs faster; such a candidate is
+written with its send/recv (`own_placement`).
 """
 
 from __future__ import annotations
@@ -30,104 +33,39 @@ from dataclasses import dataclass, replace
 
 import pipec.tune.cpsat as cpsat
 import pipec.tune.placement as send_recv
-from pipec.compiler import compute_orders, place_p2p
+from pipec.compiler import compute_orders
 from pipec.errors import PipecError
 from pipec.ir import MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas, loop_placement, v_placement
 from pipec.passes.p2p import insert_p2p_ops
 from pipec.passes.sync import copy_orders, with_copy_syncs
 from pipec.sim.costs import Costs
 from pipec.sim.simulate import simulate
+from pipec.tune.candidates import (
+    ERROR,
+    SKIPPED,
+    Candidate,
+    Certificate,
+    Proof,
+    evaluate,
+    proves_optimal,
+)
 from pipec.tune.exact import ExactResult, exact_candidates
 from pipec.tune.greedy import listed_orders
 from pipec.tune.setting import Setting
 from pipec.tune.space import Draw, draws
-from pipec.verify import verify
 from pipec.verify.memory import memory_profile
 
-OK, OVER, INVALID, ERROR, SKIPPED = "ok", "over-memory", "invalid", "error", "skipped"
 KEEP = 3  # phase 3 improves this many of the best distinct orders
-SOLVER_SHARE = 0.5  # of the time left after phase 2, for phase 4
+SOLVER_SHARE = 0.5  # of the time left after phase 2, for phase 4 (with the solver: after tune's own local moves)
+SOLVER_AFTER_MOVES = 0.9  # of the time left after the solver's start, for the solver (the rest: moves on its orders)
+RESOLVES = 2  # the most times a shape not proved is solved again with the time its first solve left
+RESOLVE_SECONDS = 2.0  # the least time for a solve again (less gets no further than the last one)
 LATE_SEEDS = 4  # the most `late` re-solves (one a seed) that _closer tries for an order nccl runs slower
 LATE_SECONDS = 3.0  # the least time for one of them (measured: 1 s often stops short of the latest orders)
 PLACEMENT_SHARE = 0.1  # of the budget, kept from phase 3 for placing the best order's send/recv (_placed)
 _EPSILON = 1e-9  # a makespan gain below it is no gain
 
 Progress = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class Candidate:
-    name: str
-    params: tuple[tuple[str, int], ...]
-    chunks: int
-    makespan: float | None
-    bubble: float | None
-    peak: float | None  # the largest per-rank peak, in share units
-    verdict: str
-    reason: str = ""
-    program: Program | None = None  # with send/recv, when evaluated
-    moves: int = 0  # local moves applied (phase 3)
-    phase: int = 1
-    bound: float | None = None  # phase 4 with the solver: its lower bound for this V and placement
-    own_placement: bool = False  # its send/recv are pipec.tune.placement's, not place_p2p's: the file must list them
-
-    @property
-    def ok(self) -> bool:
-        return self.verdict == OK
-
-    def key(self) -> tuple:
-        return (self.makespan, self.peak, self.name, self.params, self.chunks, self.moves)
-
-    def label(self) -> str:
-        params = " ".join(f"{k}={v}" for k, v in self.params)
-        return f"{self.name}{' ' + params if params else ''} V={self.chunks}"
-
-
-@dataclass(frozen=True)
-class Proof:
-    """What the solver proved for one V and placement."""
-
-    chunks: int
-    placement: str  # loop or v
-    bound: float | None  # a lower bound on the nccl makespan of every schedule of this V and placement
-    solved: bool  # the solver ended: the bound is the optimum of its model
-    seconds: float = 0.0  # the solve's wall time (to the proof, when solved)
-
-
-@dataclass(frozen=True)
-class Certificate:
-    """The lower bound beside tune's result: over every schedule of the V of --chunks, placed loop or v."""
-
-    proofs: tuple[Proof, ...]
-    model: str  # the solver's model (cpsat.MODEL_IDEAL or MODEL_POSTED)
-    relaxed: bool  # messages cost time: the model is a relaxation of nccl (sends and receives batch freely)
-    skipped: str = ""  # why no solver ran (then proofs is empty)
-
-    @property
-    def bound(self) -> float | None:
-        """The least of the per-(V, placement) bounds: no schedule of the space is faster (None: one is missing)."""
-        if not self.proofs or any(p.bound is None for p in self.proofs):
-            return None
-        return min(p.bound for p in self.proofs)  # type: ignore[type-var]
-
-    def optimal(self, makespan: float | None) -> bool:
-        return proves_optimal(makespan, self.bound)
-
-    def gap(self, makespan: float | None) -> float | None:
-        """(makespan - bound) / bound: how far from optimal at most."""
-        return gap_to(makespan, self.bound)
-
-
-def proves_optimal(makespan: float | None, bound: float | None) -> bool:
-    """Whether a lower bound certifies a makespan optimal (to the gain tune ignores)."""
-    return bound is not None and makespan is not None and makespan <= bound + _EPSILON
-
-
-def gap_to(makespan: float | None, bound: float | None) -> float | None:
-    """(makespan - bound) / bound, how far from optimal at most; None when the bound says nothing."""
-    if bound is None or makespan is None or bound <= 0 or math.isinf(bound):
-        return None
-    return max(0.0, (makespan - bound) / bound)
 
 
 @dataclass(frozen=True)
@@ -138,56 +76,6 @@ class TuneResult:
     library_best: Candidate | None  # the best phase-1 candidate (library and --from files)
     complete: bool  # False when the time budget cut phase 2, 3 or 4
     certificate: Certificate | None = None  # the solver's bound (None: tune ran without it)
-
-
-def evaluate(
-    name: str,
-    params: tuple[tuple[str, int], ...],
-    orders: Program,
-    setting: Setting,
-    placed: Program | None = None,
-    **extra,
-) -> Candidate:
-    """Place, verify and simulate one compute order (module docstring). `placed`: the order with its send/recv
-    already placed (pipec.tune.placement), to judge instead of place_p2p's; an `orders` with send/recv (a file
-    tune wrote with its placement) is judged as placed too."""
-    if orders.has_comms:  # the file's own placement: what wins is written with it (output.schedule_text)
-        placed, orders = orders, copy_orders(orders)
-        extra.setdefault("own_placement", True)
-    v = orders.chunks
-    base = Candidate(name, params, v, None, None, None, ERROR, **extra)
-    if orders.ranks != setting.ranks or orders.microbatches != setting.microbatches:
-        return replace(base, reason=f"compiled for P={orders.ranks} M={orders.microbatches}, not the run's")
-    if orders.num_stages != orders.ranks * v:
-        return replace(base, reason=f"{orders.num_stages} stages, not P*V = {orders.ranks * v}")
-    try:
-        costs = setting.stage_costs(v, orders.pipelines)
-        sizes = setting.stage_sizes(v, orders.pipelines)
-        program = place_p2p(orders, costs) if placed is None else placed
-        report = verify(program, "nccl", setting.limit, setting.costs.input_fraction, sizes)
-    except PipecError as e:
-        return replace(base, reason=e.message.splitlines()[0])
-    peak = max(report.peak_memory, default=0.0)
-    failed = [verdict for verdict in report.verdicts if not verdict.ok]
-    if any(verdict.name != "memory" for verdict in failed):
-        first = failed[0]
-        line = (first.explanation or first.note).strip().splitlines()
-        return replace(base, peak=peak, verdict=INVALID, reason=f"{first.name}: {line[0] if line else 'failed'}")
-    try:
-        sim = simulate(program, costs, p2p="nccl")
-    except PipecError as e:
-        return replace(base, peak=peak, verdict=INVALID, reason=e.message.splitlines()[0])
-    verdict = OVER if failed else OK
-    reason = f"peak {peak:g} > limit {setting.limit:g}" if failed else ""
-    return replace(
-        base,
-        makespan=sim.makespan,
-        bubble=sim.bubble_fraction,
-        peak=peak,
-        verdict=verdict,
-        reason=reason,
-        program=program,
-    )
 
 
 def tune(
@@ -229,117 +117,228 @@ def tune(
         else:
             note(evaluate(name, (), orders, setting, phase=2), "list scheduling")
 
-    # phase 4: the exact phase, before the local moves so that they start from it too; it takes at most
-    # SOLVER_SHARE of the time left. With OR-tools, the CP-SAT model (cpsat.py) at every V; without, the branch
-    # and bound (exact.py) at small sizes.
-    until = time.monotonic() + max(0.0, deadline - time.monotonic()) * SOLVER_SHARE
+    # with messages, a share of the budget is kept for placing the winner's send/recv from its timing
+    moves_end = deadline - (PLACEMENT_SHARE * time_budget if setting.costs.message_time > 0 else 0.0)
     why_not = cpsat.available() or cpsat.refuses(setting.stage_costs(1), setting.ranks)
-    if why_not is None:
-        certificate, solved = _solver_phase(setting, tried, until, seed, note, workers)
-        complete = complete and solved
-    else:
+    if why_not is not None:
+        # without the solver: the branch and bound (exact.py) at small sizes, at most SOLVER_SHARE of the time
+        # left, then the local moves on the best orders of every phase (tune before the solver)
         certificate = Certificate((), cpsat.MODEL_IDEAL, False, skipped=why_not)
+        until = time.monotonic() + max(0.0, deadline - time.monotonic()) * SOLVER_SHARE
         for name, v, found in exact_candidates(setting, until):
             note(_from_exact(name, v, found, setting), "exact search")
             complete = complete and (isinstance(found, str) or found.optimal)  # a skip is no budget cut
-
-    starts = _distinct_best(tried, KEEP)
-    # with messages, a share of the budget is kept for placing the winner's send/recv from its timing
-    moves_end = deadline - (PLACEMENT_SHARE * time_budget if setting.costs.message_time > 0 else 0.0)
-    for index, candidate in enumerate(starts):
-        rng = random.Random(seed * 1009 + index)
-        # an equal share of the time left to each start; one that ends early leaves its rest to the next
-        share = max(0.0, moves_end - time.monotonic()) / (len(starts) - index)
-        until = min(moves_end, time.monotonic() + share)
-        improved, finished = improve(candidate, setting, until, rng, lambda c: note(c, "local moves", keep=False))
-        complete = complete and finished
-        if improved is not candidate:
-            note(improved, "local moves")
+        complete = _local_moves(_distinct_best(tried, KEEP), setting, moves_end, seed, 0, note) and complete
+        own_best = None
+    else:
+        # with it, tune without the solver runs first, as it would alone (the local moves on the best orders of
+        # phases 1 and 2), within 1 - SOLVER_SHARE of the time left: what it finds stays a candidate, so tune with
+        # the solver is never worse than tune without it when those moves end (a local optimum; the budget cut
+        # shows as `complete` false), and the solver starts warm from orders already improved. Then phase 4,
+        # then the local moves on the solver's orders that are not yet at its bound.
+        today = _distinct_best(tried, KEEP)
+        until = min(moves_end, time.monotonic() + max(0.0, moves_end - time.monotonic()) * (1 - SOLVER_SHARE))
+        complete = _local_moves(today, setting, until, seed, 0, note) and complete
+        own_best = min((c for c in tried if c.ok), key=Candidate.key, default=None)
+        until = time.monotonic() + max(0.0, moves_end - time.monotonic()) * SOLVER_AFTER_MOVES
+        certificate, solved = _solver_phase(setting, tried, until, seed, note, workers)
+        complete = complete and solved
+        solved_orders = _distinct_best([c for c in tried if c.phase == 4], KEEP)
+        solver_orders = [c for c in solved_orders if not proves_optimal(c.makespan, c.bound)]
+        complete = _local_moves(solver_orders, setting, moves_end, seed, KEEP, note) and complete
+    # the send/recv of tune's own best (what tune without the solver places) and of the leader, when another,
+    # placed from their timing; phase 4 placed its own (_solver_phase)
     leader = min((c for c in tried if c.ok), key=Candidate.key, default=None)
-    if leader is not None and leader.phase != 4:  # phase 4 placed its own (_solver_phase)
-        placed, finished = _placed(leader, setting, deadline)
+    chosen = [c for c in (own_best, leader) if c is not None and c.phase != 4]
+    if len(chosen) == 2 and chosen[0] is chosen[1]:
+        chosen.pop()
+    for index, candidate in enumerate(chosen):
+        placed, finished = _placed(candidate, setting, time.monotonic() + _share(deadline, len(chosen) - index))
         complete = complete and finished
-        if placed is not leader:
+        if placed is not candidate:
             note(placed, "send/recv placement")
     ranked = sorted((c for c in tried if c.ok), key=Candidate.key)
     rest = [c for c in tried if not c.ok]
     return TuneResult(setting, (*ranked, *rest), ranked[0] if ranked else None, library_best, complete, certificate)
 
 
+def _local_moves(
+    starts: Sequence[Candidate], setting: Setting, deadline: float, seed: int, first: int, note: Callable[..., None]
+) -> bool:
+    """Phase 3 on `starts`: an equal share of the time to `deadline` to each (one that ends early leaves its rest
+    to the next), start number `first + index` seeded as tune always seeded it. Returns whether every start's
+    moves ended (a local optimum) before the deadline."""
+    finished_all = True
+    for index, candidate in enumerate(starts):
+        rng = random.Random(seed * 1009 + first + index)
+        until = min(deadline, time.monotonic() + _share(deadline, len(starts) - index))
+        improved, finished = improve(candidate, setting, until, rng, lambda c: note(c, "local moves", keep=False))
+        finished_all = finished_all and finished
+        if improved is not candidate:
+            note(improved, "local moves")
+    return finished_all
+
+
+def _share(deadline: float, count: int) -> float:
+    """An equal share of the time left to `deadline` for each of `count` steps."""
+    return max(0.0, deadline - time.monotonic()) / count
+
+
 def _solver_phase(
     setting: Setting, tried: list[Candidate], deadline: float, seed: int, note: Callable[..., None], workers: int
 ) -> tuple[Certificate, bool]:
     """Phase 4 with CP-SAT: one model per V of --chunks and placement (loop; v too at V > 1), each warm-started
-    from the best verified order of its shape so far, the time to `deadline` shared among the solves left by
-    weight 1/V^2 (one that proves early leaves its rest to the next). Returns the certificate and whether every
-    solve ended."""
+    from the best verified order of its shape so far and cut off at tune's best makespan, the time to `deadline`
+    shared among the solves left by weight 1/V^2 (one that proves early leaves its rest to the next). What is
+    left after them goes to the shapes not proved, solved again from the best order then known (up to RESOLVES
+    times; a shape's bound is the greatest of its solves'). Returns the certificate and whether every solve ended."""
     jobs = [(v, placement) for v in setting.chunks for placement in (("loop", "v") if v > 1 else ("loop",))]
-    proofs: list[Proof] = []
+    shapes = {_placed_as(setting.ranks, v, placement) for v, placement in jobs}
+    # within a V, the placement whose best order is faster first: the cutoff of the other is then the tighter
+    jobs.sort(key=lambda job: (job[0], _shape_best(tried, _placed_as(setting.ranks, *job))))
+    proofs: dict[tuple[int, str], Proof] = {}
     model = cpsat.MODEL_IDEAL
     starved = False  # a solve found no order in its share: the larger models after it would not either
     placed_all = True  # every send/recv placement ran its moves to the end
-    for index, (v, placement) in enumerate(jobs):
-        name = "cpsat" if placement == "loop" else "cpsat-v"
-        stages = setting.ranks * v
-        where = loop_placement(setting.ranks, stages) if placement == "loop" else v_placement(setting.ranks, stages)
-        template = Program(
-            name="tuned",
-            ranks=setting.ranks,
-            microbatches=setting.microbatches,
-            chunks=v,
-            stage_to_rank=where,
-            streams=((),) * setting.ranks,
-        )
-        # of one copy only: a replicated schedule placed alike (dualpipe, placement v) is another model's order
-        shape = [
-            c
-            for c in tried
-            if c.ok and c.program is not None and c.program.stage_to_rank == where and c.program.pipelines == 1
-        ]
-        hint = min(shape, key=Candidate.key).program.compute_streams() if shape else None  # type: ignore[union-attr]
-        # the time left, shared by weight 1/V^2 among the solves left: a smaller model is likelier to be proved
-        # (the model grows with V, and its proofs harder still)
-        weights = [1 / chunks**2 for chunks, _ in jobs[index:]]
-        share = max(0.0, deadline - time.monotonic()) * weights[0] / sum(weights)
-        costs = setting.stage_costs(v)
-        if starved:  # its time goes to the local moves; its bound is the cheap one (per rank, memory)
-            bound = cpsat.cheap_bound(
-                template, costs, setting.limit, setting.costs.input_fraction, setting.stage_sizes(v)
+    pending = list(jobs)
+    first: dict[int, tuple[int, str]] = {}  # per V, its placement solved first
+    for job in jobs:
+        first.setdefault(job[0], job)
+    for again in range(RESOLVES + 1):
+        for index, (v, placement) in enumerate(pending):
+            # the time left, shared by weight 1/V^2 among the solves left: a smaller model is likelier to be
+            # proved (the model grows with V, and its proofs harder still); within a V, twice that for the
+            # placement solved first (its best is faster: its bound is likelier the run's, the other's cutoff tighter)
+            weights = [(2 if job == first[job[0]] else 1) / job[0] ** 2 for job in pending[index:]]
+            fraction = weights[0] / sum(weights)
+            if again and max(0.0, deadline - time.monotonic()) * fraction < RESOLVE_SECONDS:
+                continue  # too little for a solve again to get further than the last
+            # a solve again has only the time that the first round left: a starved round does not skip it
+            solved_as, finished, starving = _solve_shape(
+                setting,
+                tried,
+                (v, placement),
+                shapes,
+                fraction,
+                deadline,
+                seed,
+                note,
+                workers,
+                proofs,
+                again,
+                starved and not again,
             )
-            proofs.append(Proof(v, placement, bound, False))
-            why = "not solved: a smaller model found no order in its share of the time budget"
-            note(Candidate(name, (), v, None, None, None, SKIPPED, why, phase=4, bound=bound), "solver")
-            continue
-        found = cpsat.solve(
-            template,
-            costs,
-            setting.limit,
-            setting.costs.input_fraction,
-            setting.stage_sizes(v),
-            share,
-            hint,
-            seed,
-            workers,
-        )
-        model = found.model
-        if found.infeasible:
-            proofs.append(Proof(v, placement, math.inf, True, found.seconds))
-            note(Candidate(name, (), v, None, None, None, ERROR, "no order fits the limit (proved)", phase=4), "solver")
-            continue
-        proofs.append(Proof(v, placement, found.bound, found.optimal, found.seconds))
-        if found.orders is None:
-            starved = True
-            why = "the time budget ended before the solver found an order"
-            note(Candidate(name, (), v, None, None, None, SKIPPED, why, phase=4, bound=found.bound), "solver")
-            continue
-        candidate = evaluate(name, (), found.orders, setting, phase=4, bound=found.bound)
-        if candidate.ok and found.makespan is not None and candidate.makespan > found.makespan + _EPSILON:  # type: ignore[operator]
-            share = max(0.0, deadline - time.monotonic()) * weights[0] / sum(weights)
-            candidate, finished = _closer(candidate, found, template, setting, time.monotonic() + share, seed, workers)
+            model = solved_as or model
             placed_all = placed_all and finished
+            starved = starved or starving
+        pending = [job for job in jobs if not proofs[job].solved and proofs[job].seconds > 0]
+        if not pending:
+            break
+    certificate = Certificate(tuple(proofs[job] for job in jobs), model, relaxed=setting.costs.message_time > 0)
+    return certificate, placed_all and all(p.solved for p in proofs.values())
+
+
+def _solve_shape(
+    setting: Setting,
+    tried: list[Candidate],
+    job: tuple[int, str],
+    shapes: set[tuple[int, ...]],
+    fraction: float,
+    deadline: float,
+    seed: int,
+    note: Callable[..., None],
+    workers: int,
+    proofs: dict[tuple[int, str], Proof],
+    again: int,
+    starved: bool,
+) -> tuple[str | None, bool, bool]:
+    """One solve of `_solver_phase` (its `again`-th for this shape), in `fraction` of the time to `deadline` (as
+    much again for placing the send/recv of an order that nccl runs slower): records the shape's proof (the
+    greatest bound of its solves) and notes its candidate (on a solve again, only one faster than the shape had).
+    Returns the solver's model (None: no solve ran), whether the placement ran to its end, and whether the solve
+    starved (found no order from its own best)."""
+    v, placement = job
+    name = "cpsat" if placement == "loop" else "cpsat-v"
+    where = _placed_as(setting.ranks, v, placement)
+    template = Program(
+        name="tuned",
+        ranks=setting.ranks,
+        microbatches=setting.microbatches,
+        chunks=v,
+        stage_to_rank=where,
+        streams=((),) * setting.ranks,
+    )
+    # of one copy only: a replicated schedule placed alike (dualpipe, placement v) is another model's order
+    shape = [c for c in tried if _one_copy_placed_as(c, where)]
+    hint = min(shape, key=Candidate.key).program.compute_streams() if shape else None  # type: ignore[union-attr]
+    costs = setting.stage_costs(v)
+    before = proofs.get(job)
+    if starved:  # its time goes to the local moves; its bound is the cheap one (per rank, memory)
+        bound = cpsat.cheap_bound(template, costs, setting.limit, setting.costs.input_fraction, setting.stage_sizes(v))
+        proofs[job] = Proof(v, placement, bound, False)
+        why = "not solved: a smaller model found no order in its share of the time budget"
+        note(Candidate(name, (), v, None, None, None, SKIPPED, why, phase=4, bound=bound), "solver")
+        return None, True, False
+    # no order slower than tune's best of the solver's shapes can win: the solve looks only below it
+    cutoff = min((_shape_best(tried, other) for other in shapes), default=math.inf)
+    found = cpsat.solve(
+        template,
+        costs,
+        setting.limit,
+        setting.costs.input_fraction,
+        setting.stage_sizes(v),
+        max(0.0, deadline - time.monotonic()) * fraction,
+        hint,
+        seed + again,
+        workers,
+        cutoff=None if math.isinf(cutoff) else cutoff,
+    )
+    took = found.seconds + (before.seconds if before is not None else 0.0)
+    if found.infeasible:
+        proofs[job] = Proof(v, placement, math.inf, True, took)
+        note(Candidate(name, (), v, None, None, None, ERROR, "no order fits the limit (proved)", phase=4), "solver")
+        return found.model, True, False
+    bounds = [b for b in (found.bound, before.bound if before is not None else None) if b is not None]
+    solved = found.optimal or (before is not None and before.solved)
+    proofs[job] = Proof(v, placement, max(bounds) if bounds else None, solved, took)
+    bound = proofs[job].bound
+    if found.orders is None:
+        if again:
+            return found.model, True, False
+        if found.optimal:
+            why = f"proved: no order of this shape is faster than {found.bound:g} (tune has {cutoff:g})"
+        else:
+            why = "the time budget ended before the solver found an order"
+        note(Candidate(name, (), v, None, None, None, SKIPPED, why, phase=4, bound=bound), "solver")
+        # starved: with its own best as the hint it found none; one only cut off below another shape's best
+        # says nothing of the larger models
+        return found.model, True, not found.optimal and _shape_best(tried, where) <= cutoff + _EPSILON
+    candidate = evaluate(name, (), found.orders, setting, phase=4, bound=bound)
+    finished = True
+    if candidate.ok and found.makespan is not None and candidate.makespan > found.makespan + _EPSILON:  # type: ignore[operator]
+        until = time.monotonic() + max(0.0, deadline - time.monotonic()) * fraction
+        candidate, finished = _closer(candidate, found, template, setting, until, seed, workers)
+    if not again or (candidate.ok and candidate.makespan < _shape_best(tried, where) - _EPSILON):  # type: ignore[operator]
         note(candidate, "solver")
-    certificate = Certificate(tuple(proofs), model, relaxed=setting.costs.message_time > 0)
-    return certificate, placed_all and all(p.solved for p in proofs)
+    return found.model, finished, False
+
+
+def _placed_as(ranks: int, chunks: int, placement: str) -> tuple[int, ...]:
+    stages = ranks * chunks
+    return loop_placement(ranks, stages) if placement == "loop" else v_placement(ranks, stages)
+
+
+def _shape_best(tried: Sequence[Candidate], where: Sequence[int]) -> float:
+    """The least makespan of an ok candidate placed as `where` (inf: none)."""
+    spans = [c.makespan for c in tried if _one_copy_placed_as(c, where)]
+    return min(spans, default=math.inf)  # type: ignore[type-var, arg-type]
+
+
+def _one_copy_placed_as(candidate: Candidate, where: Sequence[int]) -> bool:
+    """An ok candidate of one copy placed as `where`: the solver's shapes model one copy (the cutoff and the
+    hint must not come from a replicated schedule that happens to be placed alike)."""
+    program = candidate.program
+    return candidate.ok and program is not None and program.stage_to_rank == where and program.pipelines == 1
 
 
 def _closer(

@@ -31,7 +31,15 @@ from pipec.verify.memory import memory_profile
 pytestmark = pytest.mark.skipif(cpsat.available() is not None, reason="OR-tools is not installed")
 
 
-def solve(ranks: int, microbatches: int, cost: str | dict, limit: float, chunks: int = 1, placement: str = "loop"):
+def solve(
+    ranks: int,
+    microbatches: int,
+    cost: str | dict,
+    limit: float,
+    chunks: int = 1,
+    placement: str = "loop",
+    cutoff: float | None = None,
+):
     stages = ranks * chunks
     where = loop_placement(ranks, stages) if placement == "loop" else v_placement(ranks, stages)
     template = Program("t", ranks, microbatches, chunks, where, ((),) * ranks)
@@ -44,6 +52,7 @@ def solve(ranks: int, microbatches: int, cost: str | dict, limit: float, chunks:
         setting.stage_sizes(chunks),
         seconds=20,
         workers=1,
+        cutoff=cutoff,
     )
     return found, setting
 
@@ -81,6 +90,21 @@ def test_the_bound_is_below_every_schedule_and_a_proof_is_the_brute_force_optimu
     assert all(max(memory_profile(s)) <= limit + 1e-9 for s in found.orders.streams)
     if comm == 0:  # the orders take the makespan claimed in the model solved
         assert simulate(found.orders, costs, p2p="ideal").makespan == pytest.approx(found.makespan)
+
+
+@pytest.mark.parametrize("cost", ["F=1,I=2,W=1", "F=1,I=1,W=1,comm=0.5"])
+def test_a_cutoff_below_the_optimum_proves_a_bound_and_at_it_keeps_the_optimum(cost: str) -> None:
+    # tune passes its best makespan as the cutoff: below the optimum the solve finds no order and proves that
+    # none is faster than the cutoff plus a unit, a bound the brute force's optimum respects
+    ideal, nccl = brute_force(2, 3, cost, 2)
+    exact, _ = solve(2, 3, cost, 2)
+    assert exact.optimal and exact.makespan is not None and ideal is not None
+    assert ideal - 1e-9 <= exact.makespan <= nccl + 1e-9  # the model's optimum lies between the two
+    below, _ = solve(2, 3, cost, 2, cutoff=exact.makespan - 0.5)
+    assert below.orders is None and below.optimal and not below.infeasible
+    assert exact.makespan - 0.5 < below.bound <= exact.makespan <= nccl + 1e-9
+    at, _ = solve(2, 3, cost, 2, cutoff=exact.makespan)
+    assert at.optimal and at.makespan == exact.makespan
 
 
 def test_v_placement_and_per_stage_costs_against_the_simulator() -> None:
@@ -144,3 +168,20 @@ def test_without_or_tools_tune_says_what_it_skipped(tmp_path: Path, monkeypatch:
     assert code == 0, err
     assert data["lower_bound"] is None and data["optimal"] is False and "not installed" in data["bound"]["skipped"]
     assert any(c["name"] == "exact" for c in data["candidates"])  # the branch and bound ran instead
+
+
+def test_never_worse_than_tune_without_the_solver(monkeypatch: pytest.MonkeyPatch) -> None:
+    # tune without the solver runs first inside tune with it: its best order (local moves from a library start)
+    # stays a candidate, so the solver's orders add to tune's answer and never displace it. Before, the solver's
+    # order took one of the three starts of the local moves here, and the order below was never reached.
+    setting = Setting(4, 8, parse_costs("F=1,I=1,W=2,comm=0.5"), 2, (1,))
+    with monkeypatch.context() as patched:
+        patched.setattr(cpsat, "available", lambda: "off: tune as it runs without OR-tools")
+        alone = tune(setting, library_sources(), time_budget=4)
+    both = tune(setting, library_sources(), time_budget=4)
+    assert alone.best is not None and alone.best.moves > 0 and alone.complete
+    assert both.best is not None and both.best.makespan <= alone.best.makespan + 1e-9
+    assert both.certificate is not None and both.certificate.bound <= both.best.makespan + 1e-9
+    streams = alone.best.program.compute_streams()
+    kept = [c for c in both.candidates if c.ok and c.program.compute_streams() == streams]
+    assert kept and kept[0].makespan <= alone.best.makespan + 1e-9

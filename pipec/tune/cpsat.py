@@ -337,7 +337,10 @@ def _hinted_times(
     inst: _Instance, hint, timing
 ) -> tuple[dict[tuple[int, int, int], int], dict[tuple[int, int, int], int]] | None:
     """The starts and posts (in the model's units) that `_hint` gives: `timing`'s when given, else the earliest
-    timing of the orders `hint` (posts right after their producer); None when the orders cannot run."""
+    timing of the orders `hint` (posts right after their producer); None when the orders cannot run. A `late`
+    solve needs the timing: the solver may post a send after a later compute, so the earliest timing of its
+    orders alone can exceed its makespan and be no solution (measured at P=4, M=8, X=4, V=2, comm=0.5: 53
+    against 50, and every `late` solve so hinted found nothing in its time)."""
     if timing is None:
         times = inst.earliest(hint)
         return None if times is None else (times, {})
@@ -429,9 +432,7 @@ def solve(
     best nccl makespan tune has, of any shape): one slower in the model is slower under nccl too, so nothing tune
     could win is cut; a solve with no order within it proves the bound `cutoff` plus one unit (a result without
     orders, `optimal` true: the bound is proved; `infeasible` stays for the memory limit's own). `hint_timing`:
-    instead of `hint`, a solve's own timing (SolverResult.timing) to start from: for `late`, whose makespan the
-    earliest timing of the orders alone can exceed (the solver may post a send after a later compute; measured at
-    P=4, M=8, X=4, V=2, comm=0.5: every `late` solve from the orders found nothing in its time)."""
+    a solve's own timing (SolverResult.timing) to start from instead, for `late` (`_hinted_times` says why)."""
     from ortools.sat.python import cp_model
 
     began = time.monotonic()

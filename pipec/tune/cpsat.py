@@ -333,20 +333,45 @@ def _counted(
     model.add(live + sum(inst.change[s][k] * b for (k, _), b in before.items()) <= inst.limit)
 
 
-def _hint(model, inst: _Instance, hint, limit_units: int | None, start, posts, lengths, befores, makespan) -> None:
-    """Warm-start the solve from per-rank compute orders (their earliest timing in the model): every op's start,
-    each post, memory interval and "before" Boolean, and the makespan. A hint beyond the cutoff is no solution
-    and is left out (the solver then searches on its own)."""
-    times = inst.earliest(hint)
-    if times is None:
+def _hinted_times(
+    inst: _Instance, hint, timing
+) -> tuple[dict[tuple[int, int, int], int], dict[tuple[int, int, int], int]] | None:
+    """The starts and posts (in the model's units) that `_hint` gives: `timing`'s when given, else the earliest
+    timing of the orders `hint` (posts right after their producer); None when the orders cannot run. A `late`
+    solve needs the timing: the solver may post a send after a later compute, so the earliest timing of its
+    orders alone can exceed its makespan and be no solution (measured at P=4, M=8, X=4, V=2, comm=0.5: 53
+    against 50, and every `late` solve so hinted found nothing in its time)."""
+    if timing is None:
+        times = inst.earliest(hint)
+        return None if times is None else (times, {})
+    index = {kind: i for i, kind in enumerate(KINDS)}
+
+    def op(a: Action) -> tuple[int, int, int]:
+        return a.stage, index[a.kind], a.mb
+
+    starts = {op(a): round(at * inst.scale) for a, (at, _) in timing.items()}
+    sent = {op(a): round(post * inst.scale) for a, (_, post) in timing.items() if post is not None}
+    return starts, sent
+
+
+def _hint(
+    model, inst: _Instance, hint, timing, limit_units: int | None, start, posts, lengths, befores, makespan
+) -> None:
+    """Warm-start the solve from per-rank compute orders (their earliest timing in the model), or from `timing`
+    (a solve's own, SolverResult.timing: each op's start and post): every op's start, each post, memory interval
+    and "before" Boolean, and the makespan. A hint beyond the cutoff is no solution and is left out (the solver
+    then searches on its own)."""
+    hinted = _hinted_times(inst, hint, timing)
+    if hinted is None:
         return
+    times, sent = hinted
     span = max(at + inst.dur[s][k] for (s, k, _), at in times.items())
     if limit_units is not None and span > limit_units:
         return
     for op, at in times.items():
         model.add_hint(start[op], at)
         if op in posts:
-            model.add_hint(posts[op], at + inst.dur[op[0]][op[1]])
+            model.add_hint(posts[op], sent.get(op, at + inst.dur[op[0]][op[1]]))
     for length, lo, hi in lengths:
         model.add_hint(length, times[hi] - times[lo])
     for b, first, then in befores:
@@ -395,6 +420,7 @@ def solve(
     workers: int = WORKERS,
     late: float | None = None,
     cutoff: float | None = None,
+    hint_timing: Mapping[Action, tuple[float, float | None]] | None = None,
 ) -> SolverResult:
     """The least-makespan compute orders for `template`'s P, M, V and placement (module docstring), within
     `seconds` of solver time. `hint`: per-rank compute orders to start from (the best tune has). `workers`:
@@ -405,7 +431,8 @@ def solve(
     slack joins a batch that a later input holds back. `cutoff`: only orders of model makespan at most this (the
     best nccl makespan tune has, of any shape): one slower in the model is slower under nccl too, so nothing tune
     could win is cut; a solve with no order within it proves the bound `cutoff` plus one unit (a result without
-    orders, `optimal` true: the bound is proved; `infeasible` stays for the memory limit's own)."""
+    orders, `optimal` true: the bound is proved; `infeasible` stays for the memory limit's own). `hint_timing`:
+    a solve's own timing (SolverResult.timing) to start from instead, for `late` (`_hinted_times` says why)."""
     from ortools.sat.python import cp_model
 
     began = time.monotonic()
@@ -462,8 +489,8 @@ def solve(
     else:
         model.add(makespan <= round(late * inst.scale))
         model.maximize(sum(start.values()))
-    if hint is not None:
-        _hint(model, inst, hint, limit_units, start, posts, lengths, befores, makespan)
+    if hint is not None or hint_timing is not None:
+        _hint(model, inst, hint, hint_timing, limit_units, start, posts, lengths, befores, makespan)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.05, seconds - (time.monotonic() - began))
     solver.parameters.num_workers = workers

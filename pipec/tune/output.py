@@ -205,11 +205,14 @@ def certificate_text(result: TuneResult) -> str:
         f"V={p.chunks} {p.placement} {'-' if p.bound is None else f'{p.bound:g}'}{' proved' if p.solved else ''}"
         for p in cert.proofs
     )
+    copies = 1 if best is None or best.program is None else best.program.pipelines
     reached = (
         "this schedule reaches it under nccl: optimal under nccl too"
         if cert.optimal(best.makespan if best is not None else None)
         else "nccl may not reach it"
     )
+    if copies > 1:  # a replicated best is outside the bound's space: at or below the bound is no optimality
+        reached = "the best runs outside the bound's space"
     relaxed = (
         f"\nthe bound is for a relaxation of nccl ({cert.model} model: a message takes its time between producer and "
         f"consumer, sends and receives batch freely); {reached}"
@@ -219,7 +222,6 @@ def certificate_text(result: TuneResult) -> str:
     if bound is None:
         return f"lower bound: none over {space} (a solve ended before it had one: per shape {per}){relaxed}"
     makespan = None if best is None else best.makespan
-    copies = 1 if best is None or best.program is None else best.program.pipelines
     if copies > 1:  # the solver orders one copy of the model: its bound says nothing of C copies
         return (
             f"lower bound {bound:g} over {space} for one copy of the model (CP-SAT; per shape {per}); the best "

@@ -375,6 +375,7 @@ def _closer(
             seed + index,
             workers,
             late=found.makespan,
+            hint_timing=found.timing,
         )
         if later.orders is None:
             continue

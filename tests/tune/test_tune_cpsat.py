@@ -185,3 +185,30 @@ def test_never_worse_than_tune_without_the_solver(monkeypatch: pytest.MonkeyPatc
     streams = alone.best.program.compute_streams()
     kept = [c for c in both.candidates if c.ok and c.program.compute_streams() == streams]
     assert kept and kept[0].makespan <= alone.best.makespan + 1e-9
+
+
+def test_a_late_solve_starts_from_the_solvers_own_timing() -> None:
+    # the solver may post a send after a later compute (a post holds the host): its orders' earliest timing, posts
+    # right after their producer, is then slower than its makespan, and a `late` solve hinted with the orders
+    # alone had no solution to start from (at P=4, M=8, X=4, V=2, comm=0.5 every `late` solve found nothing)
+    found, setting = solve(2, 3, "F=1,I=2,W=1,comm=0.5", 2, chunks=2, placement="v")
+    assert found.optimal and found.orders is not None and found.timing is not None
+    costs = setting.stage_costs(2)
+    earliest = max(end for _, end in cpsat.model_times(found.orders, costs).values())
+    assert earliest > found.makespan + 1e-9  # the premise: the orders alone do not give the solver's timing
+    inst = cpsat._Instance(found.orders, costs, 2, setting.costs.input_fraction, setting.stage_sizes(2))
+    starts, _ = cpsat._hinted_times(inst, None, found.timing)
+    span = max(at + inst.dur[s][k] for (s, k, _), at in starts.items()) / inst.scale
+    assert span == pytest.approx(found.makespan)
+    later = cpsat.solve(
+        found.orders,
+        costs,
+        2,
+        setting.costs.input_fraction,
+        setting.stage_sizes(2),
+        0.3,  # seconds: the hint is a solution at once
+        found.orders.streams,
+        late=found.makespan,
+        hint_timing=found.timing,
+    )
+    assert later.orders is not None and later.makespan <= found.makespan + 1e-9

@@ -24,6 +24,8 @@ pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 os.environ["HF_HUB_OFFLINE"] = "1"  # no test downloads anything
 
+from hf_workloads import trained_alone  # noqa: E402
+
 import pipec  # noqa: E402
 import pipec.hf  # noqa: E402
 from pipec.runtime import launch  # noqa: E402
@@ -62,13 +64,7 @@ def build(architecture: str, extra: dict | None = None) -> pipec.hf.HFWorkload:
 @functools.cache
 def reference(architecture: str, extra: tuple = ()) -> dict[str, torch.Tensor]:
     """3 SGD steps of the HF model's own forward and loss, in one process: its state_dict."""
-    work = build(architecture, dict(extra))
-    optimizer = torch.optim.SGD(work.model.parameters(), lr=LR)
-    for ids, _ in work.batches:
-        optimizer.zero_grad()
-        work.model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
-    return {k: v.detach().clone() for k, v in work.model.state_dict().items()}
+    return trained_alone(build(architecture, dict(extra)))
 
 
 def _pipec_torch(architecture: str, schedule: str, chunks: int) -> dict:

@@ -41,13 +41,7 @@ def reference(architecture: str) -> dict[str, torch.Tensor]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers run
     try:
-        work = build(architecture)
-        optimizer = torch.optim.SGD(work.model.parameters(), lr=LR)
-        for ids, _ in work.batches:
-            optimizer.zero_grad()
-            work.model(input_ids=ids, labels=ids).loss.backward()
-            optimizer.step()
-        return {k: v.detach().clone() for k, v in work.model.state_dict().items()}
+        return trained_alone(build(architecture))
     finally:
         torch.set_num_threads(threads)
 
@@ -58,3 +52,13 @@ def worst_difference(architecture: str, weights: dict) -> float:
     work.model.load_state_dict(work.model_state_dict(weights))
     got, expected = work.model.state_dict(), reference(architecture)
     return max((got[k] - expected[k]).abs().max().item() for k in expected)
+
+
+def trained_alone(work: pipec.hf.HFWorkload) -> dict[str, torch.Tensor]:
+    """The workload's HF model trained by its own forward and loss, SGD over its batches, in one process."""
+    optimizer = torch.optim.SGD(work.model.parameters(), lr=LR)
+    for ids, _ in work.batches:
+        optimizer.zero_grad()
+        work.model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in work.model.state_dict().items()}

@@ -75,6 +75,16 @@ def program_groups(num_stages: int, pipelines: int, ties: Sequence[Sequence[int]
     return tuple(sorted(set(lifted) | set(copies)))
 
 
+def unsynced_copies(program: Program) -> tuple[tuple[int, ...], ...]:
+    """The copies' groups (program_groups without ties: each logical stage's copies) that the program does not
+    declare: a stage whose copies no group sums would train drifting copies. None for one pipeline, and none for
+    a forward-only program (no gradients to sum)."""
+    if program.pipelines == 1 or program.forward_only:
+        return ()
+    declared = set(program.sync_groups)
+    return tuple(g for g in program_groups(program.num_stages, program.pipelines) if g not in declared)
+
+
 def with_copy_syncs(program: Program) -> Program:
     """A program of C > 1 pipelines (copies of the model), its send/recv placed, with the SYNCs that sum each
     stage's gradients over its copies before the step (program_groups), unless it declares sync groups of its

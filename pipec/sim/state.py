@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import deque
 
 from pipec.ir import Kind, Program, chain_links
-from pipec.passes.sync import member_ranks
+from pipec.passes.sync import member_ranks, unsynced_copies
 from pipec.sim.costs import Costs
 from pipec.sim.result import Message, SimResult, TimedOp, peaks_of
 from pipec.verify.deadlock import batched
@@ -78,8 +78,7 @@ class Run:
         ]
         self.fwd_pair += [-1]
         self.bwd_pair = [
-            pair_ids.setdefault(where[s] * P + where[s - 1], len(pair_ids)) if has_previous[s] else -1
-            for s in range(S)
+            pair_ids.setdefault(where[s] * P + where[s - 1], len(pair_ids)) if has_previous[s] else -1 for s in range(S)
         ]
         self.bwd_pair += [-1]
         # nccl: per ordered pair (its number), the running sends and receives in issue order; tagged: per message.
@@ -126,7 +125,7 @@ class Run:
         if program.pipelines > 1:
             # each micro-batch passes its copy's stages only: the checks below over those values, and the others
             # never touched (an op off its route left a mark there); the copies' sync groups declared
-            if not self._copies_synced():
+            if unsynced_copies(program):
                 return False
             on_route, off_route = self._values_by_route()
             untouched = (-1.0,)
@@ -158,15 +157,6 @@ class Run:
                 (on if program.route_of(mb) == copy else off).append(stage * n_mb + mb)
         return on, off
 
-    def _copies_synced(self) -> bool:
-        """Whether, the program having send/recv, each logical stage's copies are a sync group (the structure
-        pass's rule; forward-only: nothing to sum)."""
-        program = self.program
-        if program.forward_only:
-            return True
-        length, declared = program.stages_per_pipeline, set(program.sync_groups)
-        return all(tuple(c * length + s for c in range(program.pipelines)) in declared for s in range(length))
-
     def result(self, costs: Costs, record: bool, input_fraction: float | None) -> SimResult:
         """The report; with ``record``, each rank's batches join its timeline, in time order (a batch before the
         compute that starts at the same moment)."""
@@ -189,4 +179,3 @@ class Run:
             timeline=tuple(tuple(t) for t in timeline) if record else (),
             messages=tuple(self.messages),
         )
-

@@ -12,7 +12,7 @@ from __future__ import annotations
 from itertools import pairwise
 
 from pipec.ir import Action, Instruction, Kind, Program
-from pipec.passes.sync import member_ranks, sync_stage
+from pipec.passes.sync import member_ranks, sync_stage, unsynced_copies
 from pipec.verify.flat import RECV_B, RECV_F, SEND_B, SEND_F, B, F, Flat, I, W, flatten
 
 _MAX_REPORTED = 12
@@ -53,7 +53,7 @@ def check_structure(program: Program, flat: Flat | None = None) -> list[str]:
         found.comms.extend(_comms(program, flat))
     if program.sync_groups or any(flat.syncs):
         found.other.extend(_syncs(program, flat))
-    if program.pipelines > 1 and program.has_comms and not program.forward_only:
+    if program.has_comms:
         found.other.extend(_unsynced_copies(program))
     return found.render()
 
@@ -61,17 +61,13 @@ def check_structure(program: Program, flat: Flat | None = None) -> list[str]:
 def _unsynced_copies(program: Program) -> list[str]:
     """With the send/recv placed (and so the SYNCs: pipec.passes.sync places them after), each logical stage's
     copies must be summed by a sync group: the copies' weights would drift apart otherwise."""
-    length, declared = program.stages_per_pipeline, set(program.sync_groups)
-    out = []
-    for stage in range(length):
-        copies = tuple(c * length + stage for c in range(program.pipelines))
-        if copies not in declared:
-            out.append(
-                f"the copies {copies} of stage {stage} are summed by no sync group: their weights would drift apart "
-                f"(declare `sync G: {' '.join(map(str, copies))}` with its SYNCs, or give pipec the compute orders "
-                "alone: it places the SYNCs)"
-            )
-    return out
+    length = program.stages_per_pipeline
+    return [
+        f"the copies {copies} of stage {copies[0] % length} are summed by no sync group: their weights would drift "
+        f"apart (declare `sync G: {' '.join(map(str, copies))}` with its SYNCs, or give pipec the compute orders "
+        "alone: it places the SYNCs)"
+        for copies in unsynced_copies(program)
+    ]
 
 
 def _off_route(program: Program) -> list[str]:

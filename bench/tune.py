@@ -4,6 +4,7 @@
     python bench/tune.py --sizes 8,24 --cost F=1,I=2,W=1,comm=0.5 --limit-factor 0.75 --time-budget 60
     python bench/tune.py --grid                    # the issue's grid: worst case of tune / best library schedule
     python bench/tune.py --gap-grid --gap-ranks 4  # tune's gap to the proven optimum, without and with CP-SAT
+    python bench/tune.py --gap-grid --gap-ranks 4 --gap-factors 1 2 --gap-scales 0.5 1 --gap-chunks 2  # V=2
 
 Default mode: for each (P, M) it runs `pipec tune -P P -M M --cost COST --memory-limit factor*P --format json`
 as a subprocess (what a user waits for, start-up included) and prints the wall time, tune's makespan, the best
@@ -167,7 +168,9 @@ def grid_mode(args: argparse.Namespace) -> None:
 def gap_grid_mode(args: argparse.Namespace) -> None:
     """tune's gap to the solver's proven optimum, today's tune (no solver: the branch and bound at small sizes)
     against tune with the CP-SAT phase, on the issue's V=1 grid (P in --gap-ranks, M in {P, 2P, 3P}, X in {0.5,
-    1, 1.5, 2}·P, the mixes F:I:W = 1:1:1, 1:2:1, 1:1:2, 2:1:1 and a last stage twice as slow, comm=--comm).
+    1, 1.5, 2}·P, the mixes F:I:W = 1:1:1, 1:2:1, 1:1:2, 2:1:1 and a last stage twice as slow, comm=--comm;
+    --gap-factors, --gap-scales and --gap-chunks take a part of it or other V, e.g. V=2 at P=4, M in {4, 8}, X in
+    {2, 4}).
     With comm > 0 a third run, `unplaced`, keeps the solver but places send/recv by place_p2p only (tune before
     pipec.tune.placement); `tune s` is the wall time of the three runs (and their CPU time, the solver's threads
     included: on a shared machine the one to compare); `check` the exit code of `pipec check` on the winner's file
@@ -176,7 +179,8 @@ def gap_grid_mode(args: argparse.Namespace) -> None:
     from pipec.tune import Setting, cpsat, library_sources, search, tune
 
     mixes = args.gap_mixes or (*MIXES, "2:1:1")
-    print(f"gap grid: V=1, comm={args.comm:g}, --grid-budget {args.grid_budget:g} s per tune call")
+    chunks = ",".join(map(str, args.gap_chunks))
+    print(f"gap grid: V={chunks}, comm={args.comm:g}, --grid-budget {args.grid_budget:g} s per tune call")
     print(
         f"{'case':<34} {'before':>8} {'unplaced':>9} {'after':>8} {'bound':>8} {'gap before':>10} {'gap after':>9} "
         f"{'proof s':>7}  tune s"
@@ -186,12 +190,12 @@ def gap_grid_mode(args: argparse.Namespace) -> None:
     available = cpsat.available
     for ranks in args.gap_ranks:
         for factor in args.gap_factors:
-            for scale in (0.5, 1.0, 1.5, 2.0):
+            for scale in args.gap_scales:
                 for mix in mixes:
                     microbatches, limit = factor * ranks, scale * ranks
                     began, began_cpu = time.monotonic(), time.process_time()
                     costs = parse_costs({**cost_map(mix, ranks), "comm": args.comm})
-                    setting = Setting(ranks, microbatches, costs, limit, (1,))
+                    setting = Setting(ranks, microbatches, costs, limit, args.gap_chunks)
                     before = None
                     if not args.gap_skip_before:
                         cpsat.available = lambda: "off for the 'before' column"  # type: ignore[assignment]
@@ -268,6 +272,17 @@ def main() -> None:
     )
     parser.add_argument(
         "--gap-factors", type=int, nargs="+", default=[1, 2, 3], metavar="K", help="--gap-grid: M = K·P only"
+    )
+    parser.add_argument(
+        "--gap-scales",
+        type=float,
+        nargs="+",
+        default=[0.5, 1.0, 1.5, 2.0],
+        metavar="K",
+        help="--gap-grid: memory limits K·P only",
+    )
+    parser.add_argument(
+        "--gap-chunks", type=int, nargs="+", default=[1], metavar="V", help="--gap-grid: tune's --chunks (default 1)"
     )
     args = parser.parse_args()
     args.sizes = [tuple(int(x) for x in s.split(",")) for s in args.sizes]

@@ -50,7 +50,7 @@ from fractions import Fraction
 from pipec.errors import PipecInputError
 from pipec.ir import MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas
 from pipec.sim.costs import Costs
-from pipec.tune.clock import Clock, solver_limits, solver_seconds
+from pipec.tune.clock import BUILD_SECONDS_PER_OP, Clock, compute_ops
 
 KINDS = (Kind.F, Kind.I, Kind.W)
 _F, _I, _W = 0, 1, 2
@@ -70,7 +70,7 @@ class SolverResult:
     optimal: bool  # the solver proved makespan == bound
     infeasible: bool  # the solver proved that no order fits the memory limit
     model: str  # MODEL_IDEAL or MODEL_POSTED
-    seconds: float  # the solve's time in seconds of the budget (pipec.tune.clock.solver_seconds: deterministic)
+    seconds: float  # the seconds of the budget it took, the model built and solved (pipec.tune.clock: deterministic)
     # the solver's timing of `orders`, in the costs' units: per compute op its start and, for an op whose output
     # goes to another rank, when its send is posted (the producer's end without posting costs); the send/recv
     # placement follows it (pipec.tune.placement)
@@ -434,12 +434,10 @@ def solve(
     could win is cut; a solve with no order within it proves the bound `cutoff` plus one unit (a result without
     orders, `optimal` true: the bound is proved; `infeasible` stays for the memory limit's own). `hint_timing`:
     a solve's own timing (SolverResult.timing) to start from instead, for `late` (`_hinted_times` says why).
-    `clock` (pipec.tune.clock): the budget's; building the model counts on it, the solve itself in CP-SAT's
-    deterministic time (the same idle or loaded)."""
+    `clock`: the budget's (pipec.tune.clock), charged for the model built and solved, the same idle or loaded."""
     from ortools.sat.python import cp_model
 
     clock = clock or Clock()
-    began = clock.now()
     inst = _Instance(template, costs, limit, input_fraction, stage_sizes)
     if min(min(row) for row in inst.dur) <= 0:
         raise ValueError("the CP-SAT model needs positive durations")
@@ -496,13 +494,9 @@ def solve(
     if hint is not None or hint_timing is not None:
         _hint(model, inst, hint, hint_timing, limit_units, start, posts, lengths, befores, makespan)
     solver = cp_model.CpSolver()
-    deterministic, wall = solver_limits(seconds - (clock.now() - began))
-    solver.parameters.max_deterministic_time = deterministic
-    solver.parameters.max_time_in_seconds = wall
     solver.parameters.num_workers = workers
     solver.parameters.random_seed = seed
-    status = solver.solve(model)
-    took = solver_seconds(solver.response_proto.deterministic_time)
+    status, took = clock.run_solver(solver, model, seconds, BUILD_SECONDS_PER_OP * compute_ops(template))
     if status == cp_model.INFEASIBLE and late is None:
         if limit_units is not None:  # no order within the cutoff: every one is slower in the model
             beyond = max(limit_units + 1, inst.cheap_bound()) / inst.scale

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from pipec.errors import PipecError, PipecInputError
 from pipec.ir import MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas, loop_placement, v_placement
 from pipec.sim.simulate import simulate
-from pipec.tune.clock import Clock
+from pipec.tune.clock import NODE_SECONDS, Clock
 
 if TYPE_CHECKING:
     from pipec.sim.costs import Costs
@@ -298,9 +298,11 @@ class _Search:
 
     def _branch(self, last_start: int, last_rank: int, makespan: int, left: int) -> None:
         self.nodes += 1
-        if self.nodes > self.max_nodes or (
-            self.deadline is not None and self.nodes % 256 == 0 and self.clock.passed(self.deadline)
-        ):
+        if self.nodes % 256 == 0:
+            self.clock.charge(256 * NODE_SECONDS)
+            if self.deadline is not None and self.clock.passed(self.deadline):
+                raise _BudgetEndedError
+        if self.nodes > self.max_nodes:
             raise _BudgetEndedError
         if left == 0:
             streams = tuple(tuple(s) for s in self.streams)

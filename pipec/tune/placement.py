@@ -29,7 +29,7 @@ from pipec.ir import Action, Instruction, Kind, Program
 from pipec.p2p_rule import counterpart, message_id, send_for
 from pipec.sim.costs import Costs
 from pipec.sim.simulate import simulate
-from pipec.tune.clock import Clock
+from pipec.tune.clock import PLACEMENT_SECONDS_PER_OP, Clock, compute_ops
 from pipec.tune.cpsat import model_times
 
 _EPSILON = 1e-9
@@ -140,6 +140,8 @@ def improve_placement(program: Program, costs: Costs, clock: Clock, deadline: fl
     helps or `clock` passes `deadline`. Returns the placed program and whether no move helps (False:
     the deadline stopped it)."""
     best = nccl_score(program, costs)
+    each = PLACEMENT_SECONDS_PER_OP * compute_ops(program)  # the clock's charge for one score
+    clock.charge(each)
     if best is None:
         return program, True
     streams = [list(stream) for stream in program.streams]
@@ -154,6 +156,7 @@ def improve_placement(program: Program, costs: Costs, clock: Clock, deadline: fl
                     continue  # two computes, or two messages (their order on a channel is fixed)
                 stream[i], stream[i + 1] = b, a
                 score = nccl_score(program.with_streams(tuple(map(tuple, streams)), has_comms=True), costs)
+                clock.charge(each)
                 if score is not None and (
                     score[0] < best[0] - _EPSILON or (score[0] <= best[0] + _EPSILON and score[1] < best[1] - _EPSILON)
                 ):

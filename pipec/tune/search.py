@@ -48,7 +48,7 @@ from pipec.tune.candidates import (
     evaluate,
     proves_optimal,
 )
-from pipec.tune.clock import Clock
+from pipec.tune.clock import LIST_SECONDS_PER_OP, SCORE_SECONDS_PER_OP, Clock, compute_ops
 from pipec.tune.exact import ExactResult, exact_candidates
 from pipec.tune.greedy import listed_orders
 from pipec.tune.setting import Setting
@@ -87,11 +87,11 @@ def tune(
     workers: int = cpsat.WORKERS,
     clock: Clock | None = None,
 ) -> TuneResult:
-    """Phases 1 to 4 (module docstring). Phase 1 always completes; `time_budget` seconds of `clock` (this
-    process's CPU time, CP-SAT's deterministic time, a wall-clock cap: pipec.tune.clock), counted from the start,
-    bound the others."""
+    """Phases 1 to 4 (module docstring). Phase 1 always completes; `time_budget` seconds of `clock` (the work
+    done, in seconds it takes on an idle machine, with caps in CPU and wall time: pipec.tune.clock), counted from
+    the clock's start (default: a clock started now), bound the others."""
     clock = clock or Clock()
-    deadline = clock.after(time_budget)
+    deadline = time_budget
     say = progress or (lambda text: None)
     tried: list[Candidate] = []
 
@@ -106,18 +106,19 @@ def tune(
         say(f"tune: {phase}: {len(tried)} candidates, {shown}, {clock.now():.1f} s of {time_budget:g} s")
 
     for draw in draws(sources, setting.ranks, setting.microbatches, setting.chunks, setting.limit, seed):
-        note(_from_draw(draw, setting), "library")
+        note(_from_draw(draw, setting, clock), "library")
     library_best = min((c for c in tried if c.ok), key=Candidate.key, default=None)
 
     complete = True
     for name, v, orders in listed_orders(setting):
+        clock.charge(LIST_SECONDS_PER_OP * 3 * setting.microbatches * setting.ranks * v)
         if clock.passed(deadline):
             complete = False
             break
         if isinstance(orders, str):
             note(Candidate(name, (), v, None, None, None, ERROR, orders, phase=2), "list scheduling")
         else:
-            note(evaluate(name, (), orders, setting, phase=2), "list scheduling")
+            note(evaluate(name, (), orders, setting, clock=clock, phase=2), "list scheduling")
 
     # with messages, a share of the budget is kept for placing the winner's send/recv from its timing
     moves_end = deadline - (PLACEMENT_SHARE * time_budget if setting.costs.message_time > 0 else 0.0)
@@ -128,7 +129,7 @@ def tune(
         certificate = Certificate((), cpsat.MODEL_IDEAL, False, skipped=why_not)
         until = clock.after(clock.left(deadline) * SOLVER_SHARE)
         for name, v, found in exact_candidates(setting, clock, until):
-            note(_from_exact(name, v, found, setting), "exact search")
+            note(_from_exact(name, v, found, setting, clock), "exact search")
             complete = complete and (isinstance(found, str) or found.optimal)  # a skip is no budget cut
         complete = _local_moves(_distinct_best(tried, KEEP), setting, clock, moves_end, seed, 0, note) and complete
         own_best = None
@@ -331,7 +332,7 @@ def _solve_shape(
         # starved: with its own best as the hint it found none; one only cut off below another shape's best
         # says nothing of the larger models
         return found.model, True, not found.optimal and _shape_best(tried, where) <= cutoff + _EPSILON
-    candidate = evaluate(name, (), found.orders, setting, phase=4, bound=bound)
+    candidate = evaluate(name, (), found.orders, setting, clock=clock, phase=4, bound=bound)
     finished = True
     if candidate.ok and found.makespan is not None and candidate.makespan > found.makespan + _EPSILON:  # type: ignore[operator]
         until = clock.after(clock.left(deadline) * fraction)
@@ -399,7 +400,7 @@ def _closer(
         )
         if later.orders is None:
             continue
-        option = evaluate(candidate.name, (), later.orders, setting, phase=4, bound=found.bound)
+        option = evaluate(candidate.name, (), later.orders, setting, clock=clock, phase=4, bound=found.bound)
         until = clock.after(clock.left(deadline) / (LATE_SEEDS - index))
         placed, done = _placed(option, setting, clock, until, later.timing)
         finished = finished and done
@@ -438,6 +439,7 @@ def _placed(
         orders,
         setting,
         placed=better,
+        clock=clock,
         own_placement=True,
         moves=candidate.moves,
         phase=candidate.phase,
@@ -448,12 +450,13 @@ def _placed(
     return candidate, finished
 
 
-def _from_draw(draw: Draw, setting: Setting) -> Candidate:
+def _from_draw(draw: Draw, setting: Setting, clock: Clock) -> Candidate:
     if draw.problem:
         verdict = SKIPPED if draw.skipped else ERROR
         return Candidate(draw.name, draw.params, draw.chunks, None, None, None, verdict, draw.problem)
     try:
         if draw.choose:  # a cost-aware schedule is list-scheduled under the costs and the limit, per rank share
+            clock.charge(LIST_SECONDS_PER_OP * 3 * setting.microbatches * setting.ranks * draw.chunks)
             orders = compute_orders(
                 draw.source,
                 setting.ranks,
@@ -469,16 +472,16 @@ def _from_draw(draw: Draw, setting: Setting) -> Candidate:
             orders = compute_orders(draw.source, setting.ranks, setting.microbatches, draw.chunks, dict(draw.params))
     except PipecError as e:
         return Candidate(draw.name, draw.params, draw.chunks, None, None, None, ERROR, e.message.splitlines()[0])
-    return evaluate(draw.name, draw.params, orders, setting)
+    return evaluate(draw.name, draw.params, orders, setting, clock=clock)
 
 
-def _from_exact(name: str, v: int, found: ExactResult | str, setting: Setting) -> Candidate:
+def _from_exact(name: str, v: int, found: ExactResult | str, setting: Setting, clock: Clock) -> Candidate:
     if isinstance(found, str):
         return Candidate(name, (), v, None, None, None, SKIPPED, found, phase=4)
     if found.orders is None:
         why = "no order fits the limit" if found.optimal else "the time budget ended before an order was found"
         return Candidate(name, (), v, None, None, None, ERROR if found.optimal else SKIPPED, why, phase=4)
-    candidate = evaluate(name, (), found.orders, setting, phase=4)
+    candidate = evaluate(name, (), found.orders, setting, clock=clock, phase=4)
     if candidate.ok and not found.optimal:
         return replace(candidate, reason="not proved optimal: the time budget ended the search")
     return candidate
@@ -522,6 +525,8 @@ def improve(
     streams = [list(s) for s in orders.streams]
     best, moves = start, 0
     # None when only the default placement runs this order (place_p2p chose it): any trial that runs is progress
+    each = SCORE_SECONDS_PER_OP * compute_ops(orders)  # the clock's charge for one score
+    clock.charge(each)
     current = _quick_score(orders, costs) or (start.makespan, math.inf)
     while True:
         options = _moves(streams)
@@ -540,8 +545,9 @@ def improve(
             stream[i], stream[i + 1] = b, a
             trial = orders.with_streams(tuple(map(tuple, streams)), has_comms=False)
             score = _quick_score(trial, costs)
+            clock.charge(each)
             if score is not None and _better(score, current):
-                found = evaluate(start.name, start.params, trial, setting, moves=moves + 1, phase=3)
+                found = evaluate(start.name, start.params, trial, setting, clock=clock, moves=moves + 1, phase=3)
                 if on_try is not None:
                     on_try(found)
                 if found.ok and found.makespan <= best.makespan + _EPSILON:  # type: ignore[operator]

@@ -28,6 +28,7 @@ SLOW = (
     "tune/test_tune_properties.py::test_grid_points",
     "tune/test_tune_exact.py::test_exact_equals_the_brute_force",
     "tune/test_tune.py::test_progress_lines_after_two_seconds_when_asked",
+    "tune/test_tune_clock.py::test_a_search_cut_by_its_budget_returns_the_same_result_on_a_loaded_machine",
     "verify/test_verify_sync.py::test_insert_syncs_keeps_any_valid_program_deadlock_free",
     "verify/test_verify_properties.py::test_verdicts_equal_the_executor",
     "verify/test_verify_properties.py::test_valid_orders_are_accepted_and_run",

@@ -13,6 +13,7 @@ from pipec.errors import PipecError
 from pipec.ir import Program
 from pipec.passes.sync import copy_orders
 from pipec.sim.simulate import simulate
+from pipec.tune.clock import EVALUATE_SECONDS_PER_OP, Clock, compute_ops
 from pipec.tune.setting import Setting
 from pipec.verify import verify
 
@@ -56,7 +57,7 @@ class Proof:
     placement: str  # loop or v
     bound: float | None  # a lower bound on the nccl makespan of every schedule of this V and placement
     solved: bool  # the solver ended: the bound is the optimum of its model
-    seconds: float = 0.0  # the solve's wall time (to the proof, when solved)
+    seconds: float = 0.0  # the solve's time, in seconds of the budget (pipec.tune.clock; to the proof, when solved)
 
 
 @dataclass(frozen=True)
@@ -101,11 +102,12 @@ def evaluate(
     orders: Program,
     setting: Setting,
     placed: Program | None = None,
+    clock: Clock | None = None,
     **extra,
 ) -> Candidate:
     """Place, verify and simulate one compute order (module docstring). `placed`: the order with its send/recv
     already placed (pipec.tune.placement), to judge instead of place_p2p's; an `orders` with send/recv (a file
-    tune wrote with its placement) is judged as placed too."""
+    tune wrote with its placement) is judged as placed too. `clock`: the budget's, charged for the work."""
     if orders.has_comms:  # the file's own placement: what wins is written with it (output.schedule_text)
         placed, orders = orders, copy_orders(orders)
         extra.setdefault("own_placement", True)
@@ -115,6 +117,8 @@ def evaluate(
         return replace(base, reason=f"compiled for P={orders.ranks} M={orders.microbatches}, not the run's")
     if orders.num_stages != orders.ranks * v:
         return replace(base, reason=f"{orders.num_stages} stages, not P*V = {orders.ranks * v}")
+    if clock is not None:
+        clock.charge(EVALUATE_SECONDS_PER_OP * compute_ops(orders))
     try:
         costs = setting.stage_costs(v, orders.pipelines)
         sizes = setting.stage_sizes(v, orders.pipelines)

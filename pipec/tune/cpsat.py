@@ -48,7 +48,6 @@ placement adds no wait; with messages it is the bound of a relaxation (free batc
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
@@ -56,6 +55,7 @@ from fractions import Fraction
 from pipec.errors import PipecInputError
 from pipec.ir import MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas
 from pipec.sim.costs import Costs
+from pipec.tune.clock import BUILD_SECONDS_PER_OP, Clock, compute_ops
 
 KINDS = (Kind.F, Kind.I, Kind.W)
 _F, _I, _W = 0, 1, 2
@@ -75,7 +75,7 @@ class SolverResult:
     optimal: bool  # the solver proved makespan == bound
     infeasible: bool  # the solver proved that no order fits the memory limit
     model: str  # MODEL_IDEAL or MODEL_POSTED
-    seconds: float  # wall time of the solve
+    seconds: float  # the seconds of the budget it took, the model built and solved (pipec.tune.clock: deterministic)
     # the solver's timing of `orders`, in the costs' units: per compute op its start and, for an op whose output
     # goes to another rank, when its send is posted (the producer's end without posting costs); the send/recv
     # placement follows it (pipec.tune.placement)
@@ -426,9 +426,10 @@ def solve(
     late: float | None = None,
     cutoff: float | None = None,
     hint_timing: Mapping[Action, tuple[float, float | None]] | None = None,
+    clock: Clock | None = None,
 ) -> SolverResult:
     """The least-makespan compute orders for `template`'s P, M, V and placement (module docstring), within
-    `seconds` of solver time. `hint`: per-rank compute orders to start from (the best tune has). `workers`:
+    `seconds` of the budget. `hint`: per-rank compute orders to start from (the best tune has). `workers`:
     CP-SAT's parallel portfolio (faster proofs on idle cores, but then not deterministic). Durations must
     be positive (the memory intervals read a rank's order from distinct start times). `late`: instead, among
     the orders of makespan at most `late`, one that runs every op as late as it allows (the greatest sum of
@@ -437,10 +438,11 @@ def solve(
     best nccl makespan tune has, of any shape): one slower in the model is slower under nccl too, so nothing tune
     could win is cut; a solve with no order within it proves the bound `cutoff` plus one unit (a result without
     orders, `optimal` true: the bound is proved; `infeasible` stays for the memory limit's own). `hint_timing`:
-    a solve's own timing (SolverResult.timing) to start from instead, for `late` (`_hinted_times` says why)."""
+    a solve's own timing (SolverResult.timing) to start from instead, for `late` (`_hinted_times` says why).
+    `clock`: the budget's (pipec.tune.clock), charged for the model built and solved, the same idle or loaded."""
     from ortools.sat.python import cp_model
 
-    began = time.monotonic()
+    clock = clock or Clock()
     inst = _Instance(template, costs, limit, input_fraction, stage_sizes)
     if min(min(row) for row in inst.dur) <= 0:
         raise ValueError("the CP-SAT model needs positive durations")
@@ -500,11 +502,9 @@ def solve(
     if hint is not None or hint_timing is not None:
         _hint(model, inst, hint, hint_timing, limit_units, start, posts, lengths, befores, makespan)
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.05, seconds - (time.monotonic() - began))
     solver.parameters.num_workers = workers
     solver.parameters.random_seed = seed
-    status = solver.solve(model)
-    took = time.monotonic() - began
+    status, took = clock.run_solver(solver, model, seconds, BUILD_SECONDS_PER_OP * compute_ops(template))
     if status == cp_model.INFEASIBLE and late is None:
         if limit_units is not None:  # no order within the cutoff: every one is slower in the model
             beyond = max(limit_units + 1, inst.cheap_bound()) / inst.scale

@@ -28,7 +28,6 @@ after its producer ends, and a rank's ops still run in order): so ideal times bo
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
@@ -37,6 +36,7 @@ from typing import TYPE_CHECKING
 from pipec.errors import PipecError, PipecInputError
 from pipec.ir import MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas, loop_placement, v_placement
 from pipec.sim.simulate import simulate
+from pipec.tune.clock import NODE_SECONDS, Clock
 
 if TYPE_CHECKING:
     from pipec.sim.costs import Costs
@@ -63,9 +63,11 @@ def small_enough(ranks: int, microbatches: int, chunks: int) -> bool:
     return 3 * ranks * microbatches * chunks <= MAX_OPS
 
 
-def exact_candidates(setting: Setting, deadline: float) -> Iterator[tuple[str, int, ExactResult | str]]:
+def exact_candidates(
+    setting: Setting, clock: Clock, deadline: float
+) -> Iterator[tuple[str, int, ExactResult | str]]:
     """(name, V, result or why it was not run) for each V of the setting small enough, placements loop and v;
-    the time to `deadline` is shared among the searches left."""
+    the time to `deadline` of `clock` is shared among the searches left."""
     ranks, microbatches = setting.ranks, setting.microbatches
     jobs = [
         (v, placement)
@@ -75,7 +77,7 @@ def exact_candidates(setting: Setting, deadline: float) -> Iterator[tuple[str, i
     ]
     for index, (v, placement) in enumerate(jobs):
         name = "exact" if placement == "loop" else "exact-v"
-        share = max(0.0, deadline - time.monotonic()) / (len(jobs) - index)
+        share = clock.left(deadline) / (len(jobs) - index)
         stages = ranks * v
         where = loop_placement(ranks, stages) if placement == "loop" else v_placement(ranks, stages)
         template = Program(
@@ -94,8 +96,9 @@ def exact_candidates(setting: Setting, deadline: float) -> Iterator[tuple[str, i
                 setting.limit,
                 setting.costs.input_fraction,
                 setting.stage_sizes(v),
-                time.monotonic() + share,
+                clock.after(share),
                 model="nccl",
+                clock=clock,
             ),
         )
 
@@ -109,12 +112,14 @@ def exact_orders(
     deadline: float | None = None,
     max_nodes: int = MAX_NODES,
     model: str = "nccl",
+    clock: Clock | None = None,
 ) -> ExactResult:
     """The compute orders of least makespan in `model` (nccl or ideal) for `template`'s P, M, V and placement
-    (module docstring). Durations must be positive."""
+    (module docstring), until `deadline` of `clock` (pipec.tune.clock; a new one: seconds from this call).
+    Durations must be positive."""
     if model not in MODELS:
         raise ValueError(f"model {model!r}: expected one of {MODELS}")
-    search = _Search(template, costs, limit, input_fraction, stage_sizes, deadline, max_nodes, model)
+    search = _Search(template, costs, limit, input_fraction, stage_sizes, clock or Clock(), deadline, max_nodes, model)
     finished = search.run()
     if search.best is None:
         return ExactResult(None, None, finished, search.nodes)
@@ -134,6 +139,7 @@ class _Search:
         limit: float | None,
         input_fraction: float,
         stage_sizes: Sequence[float] | None,
+        clock: Clock,
         deadline: float | None,
         max_nodes: int,
         model: str,
@@ -166,7 +172,7 @@ class _Search:
         ]
         self.limit = limit
         self.stages = [template.stages_of(r) for r in range(self.ranks)]
-        self.deadline, self.max_nodes = deadline, max_nodes
+        self.clock, self.deadline, self.max_nodes = clock, deadline, max_nodes
         # per (stage, kind): the next micro-batch; per op: its end (None until placed)
         self.count = [[0, 0, 0] for _ in range(self.last + 1)]
         self.end: list[list[list[int | None]]] = [[[None] * self.n_mb for _ in _KINDS] for _ in range(self.last + 1)]
@@ -292,9 +298,11 @@ class _Search:
 
     def _branch(self, last_start: int, last_rank: int, makespan: int, left: int) -> None:
         self.nodes += 1
-        if self.nodes > self.max_nodes or (
-            self.deadline is not None and self.nodes % 256 == 0 and time.monotonic() > self.deadline
-        ):
+        if self.nodes % 256 == 0:
+            self.clock.charge(256 * NODE_SECONDS)
+            if self.deadline is not None and self.clock.passed(self.deadline):
+                raise _BudgetEndedError
+        if self.nodes > self.max_nodes:
             raise _BudgetEndedError
         if left == 0:
             streams = tuple(tuple(s) for s in self.streams)

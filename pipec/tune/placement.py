@@ -21,7 +21,6 @@ steps close most of that (45.5 there; tests/tune/test_tune_placement.py):
 from __future__ import annotations
 
 import bisect
-import time
 from collections.abc import Mapping
 from itertools import pairwise
 
@@ -30,6 +29,7 @@ from pipec.ir import Action, Instruction, Kind, Program
 from pipec.p2p_rule import counterpart, message_id, send_for
 from pipec.sim.costs import Costs
 from pipec.sim.simulate import simulate
+from pipec.tune.clock import PLACEMENT_SECONDS_PER_OP, Clock, compute_ops
 from pipec.tune.cpsat import model_times
 
 _EPSILON = 1e-9
@@ -135,11 +135,13 @@ def nccl_score(program: Program, costs: Costs) -> tuple[float, float] | None:
     return sim.makespan, sum(op.end for line in sim.timeline for op in line if not op.is_comm)
 
 
-def improve_placement(program: Program, costs: Costs, deadline: float) -> tuple[Program, bool]:
+def improve_placement(program: Program, costs: Costs, clock: Clock, deadline: float) -> tuple[Program, bool]:
     """First-improvement moves of single sends/receives past a neighbouring compute (module docstring), until none
-    helps or `deadline` (time.monotonic()) passes. Returns the placed program and whether no move helps (False:
+    helps or `clock` passes `deadline`. Returns the placed program and whether no move helps (False:
     the deadline stopped it)."""
     best = nccl_score(program, costs)
+    each = PLACEMENT_SECONDS_PER_OP * compute_ops(program)  # the clock's charge for one score
+    clock.charge(each)
     if best is None:
         return program, True
     streams = [list(stream) for stream in program.streams]
@@ -147,13 +149,14 @@ def improve_placement(program: Program, costs: Costs, deadline: float) -> tuple[
         improved = False
         for stream in streams:
             for i in range(len(stream) - 1):
-                if time.monotonic() > deadline:
+                if clock.passed(deadline):
                     return program.with_streams(tuple(map(tuple, streams)), has_comms=True), False
                 a, b = stream[i], stream[i + 1]
                 if _is_comm(a) == _is_comm(b):
                     continue  # two computes, or two messages (their order on a channel is fixed)
                 stream[i], stream[i + 1] = b, a
                 score = nccl_score(program.with_streams(tuple(map(tuple, streams)), has_comms=True), costs)
+                clock.charge(each)
                 if score is not None and (
                     score[0] < best[0] - _EPSILON or (score[0] <= best[0] + _EPSILON and score[1] < best[1] - _EPSILON)
                 ):

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -49,6 +48,7 @@ from pipec.tune.candidates import (
     evaluate,
     proves_optimal,
 )
+from pipec.tune.clock import LIST_SECONDS_PER_OP, SCORE_SECONDS_PER_OP, Clock, compute_ops
 from pipec.tune.exact import ExactResult, exact_candidates
 from pipec.tune.greedy import listed_orders
 from pipec.tune.setting import Setting
@@ -85,11 +85,13 @@ def tune(
     seed: int = 0,
     progress: Progress | None = None,
     workers: int = cpsat.WORKERS,
+    clock: Clock | None = None,
 ) -> TuneResult:
-    """Phases 1 to 3 (module docstring). Phase 1 always completes; `time_budget` seconds, counted from the start,
-    bound the others."""
-    start = time.monotonic()
-    deadline = start + time_budget
+    """Phases 1 to 4 (module docstring). Phase 1 always completes; `time_budget` seconds of `clock` (the work
+    done, in seconds it takes on an idle machine, with caps in CPU and wall time: pipec.tune.clock), counted from
+    the clock's start (default: a clock started now), bound the others."""
+    clock = clock or Clock()
+    deadline = time_budget
     say = progress or (lambda text: None)
     tried: list[Candidate] = []
 
@@ -101,21 +103,22 @@ def tune(
         if candidate.ok and (not best or candidate.key() < best[0].key()):
             best[:] = [candidate]
         shown = f"best {best[0].makespan:g} ({best[0].label()})" if best else "nothing fits yet"
-        say(f"tune: {phase}: {len(tried)} candidates, {shown}, {time.monotonic() - start:.1f} s of {time_budget:g} s")
+        say(f"tune: {phase}: {len(tried)} candidates, {shown}, {clock.now():.1f} s of {time_budget:g} s")
 
     for draw in draws(sources, setting.ranks, setting.microbatches, setting.chunks, setting.limit, seed):
-        note(_from_draw(draw, setting), "library")
+        note(_from_draw(draw, setting, clock), "library")
     library_best = min((c for c in tried if c.ok), key=Candidate.key, default=None)
 
     complete = True
     for name, v, orders in listed_orders(setting):
-        if time.monotonic() > deadline:
+        clock.charge(LIST_SECONDS_PER_OP * 3 * setting.microbatches * setting.ranks * v)
+        if clock.passed(deadline):
             complete = False
             break
         if isinstance(orders, str):
             note(Candidate(name, (), v, None, None, None, ERROR, orders, phase=2), "list scheduling")
         else:
-            note(evaluate(name, (), orders, setting, phase=2), "list scheduling")
+            note(evaluate(name, (), orders, setting, clock=clock, phase=2), "list scheduling")
 
     # with messages, a share of the budget is kept for placing the winner's send/recv from its timing
     moves_end = deadline - (PLACEMENT_SHARE * time_budget if setting.costs.message_time > 0 else 0.0)
@@ -124,11 +127,11 @@ def tune(
         # without the solver: the branch and bound (exact.py) at small sizes, at most SOLVER_SHARE of the time
         # left, then the local moves on the best orders of every phase (tune before the solver)
         certificate = Certificate((), cpsat.MODEL_IDEAL, False, skipped=why_not)
-        until = time.monotonic() + max(0.0, deadline - time.monotonic()) * SOLVER_SHARE
-        for name, v, found in exact_candidates(setting, until):
-            note(_from_exact(name, v, found, setting), "exact search")
+        until = clock.after(clock.left(deadline) * SOLVER_SHARE)
+        for name, v, found in exact_candidates(setting, clock, until):
+            note(_from_exact(name, v, found, setting, clock), "exact search")
             complete = complete and (isinstance(found, str) or found.optimal)  # a skip is no budget cut
-        complete = _local_moves(_distinct_best(tried, KEEP), setting, moves_end, seed, 0, note) and complete
+        complete = _local_moves(_distinct_best(tried, KEEP), setting, clock, moves_end, seed, 0, note) and complete
         own_best = None
     else:
         # with it, tune without the solver runs first, as it would alone (the local moves on the best orders of
@@ -137,15 +140,15 @@ def tune(
         # shows as `complete` false), and the solver starts warm from orders already improved. Then phase 4,
         # then the local moves on the solver's orders that are not yet at its bound.
         today = _distinct_best(tried, KEEP)
-        until = min(moves_end, time.monotonic() + max(0.0, moves_end - time.monotonic()) * (1 - SOLVER_SHARE))
-        complete = _local_moves(today, setting, until, seed, 0, note) and complete
+        until = min(moves_end, clock.after(clock.left(moves_end) * (1 - SOLVER_SHARE)))
+        complete = _local_moves(today, setting, clock, until, seed, 0, note) and complete
         own_best = min((c for c in tried if c.ok), key=Candidate.key, default=None)
-        until = time.monotonic() + max(0.0, moves_end - time.monotonic()) * SOLVER_AFTER_MOVES
-        certificate, solved = _solver_phase(setting, tried, until, seed, note, workers)
+        until = clock.after(clock.left(moves_end) * SOLVER_AFTER_MOVES)
+        certificate, solved = _solver_phase(setting, tried, clock, until, seed, note, workers)
         complete = complete and solved
         solved_orders = _distinct_best([c for c in tried if c.phase == 4], KEEP)
         solver_orders = [c for c in solved_orders if not proves_optimal(c.makespan, c.bound)]
-        complete = _local_moves(solver_orders, setting, moves_end, seed, KEEP, note) and complete
+        complete = _local_moves(solver_orders, setting, clock, moves_end, seed, KEEP, note) and complete
     # the send/recv of tune's own best (what tune without the solver places) and of the leader, when another,
     # placed from their timing; phase 4 placed its own (_solver_phase)
     leader = min((c for c in tried if c.ok), key=Candidate.key, default=None)
@@ -153,7 +156,7 @@ def tune(
     if len(chosen) == 2 and chosen[0] is chosen[1]:
         chosen.pop()
     for index, candidate in enumerate(chosen):
-        placed, finished = _placed(candidate, setting, time.monotonic() + _share(deadline, len(chosen) - index))
+        placed, finished = _placed(candidate, setting, clock, clock.after(_share(clock, deadline, len(chosen) - index)))
         complete = complete and finished
         if placed is not candidate:
             note(placed, "send/recv placement")
@@ -163,7 +166,13 @@ def tune(
 
 
 def _local_moves(
-    starts: Sequence[Candidate], setting: Setting, deadline: float, seed: int, first: int, note: Callable[..., None]
+    starts: Sequence[Candidate],
+    setting: Setting,
+    clock: Clock,
+    deadline: float,
+    seed: int,
+    first: int,
+    note: Callable[..., None],
 ) -> bool:
     """Phase 3 on `starts`: an equal share of the time to `deadline` to each (one that ends early leaves its rest
     to the next), start number `first + index` seeded as tune always seeded it. Returns whether every start's
@@ -171,21 +180,28 @@ def _local_moves(
     finished_all = True
     for index, candidate in enumerate(starts):
         rng = random.Random(seed * 1009 + first + index)
-        until = min(deadline, time.monotonic() + _share(deadline, len(starts) - index))
-        improved, finished = improve(candidate, setting, until, rng, lambda c: note(c, "local moves", keep=False))
+        until = min(deadline, clock.after(_share(clock, deadline, len(starts) - index)))
+        on_try = lambda c: note(c, "local moves", keep=False)  # noqa: E731
+        improved, finished = improve(candidate, setting, clock, until, rng, on_try)
         finished_all = finished_all and finished
         if improved is not candidate:
             note(improved, "local moves")
     return finished_all
 
 
-def _share(deadline: float, count: int) -> float:
+def _share(clock: Clock, deadline: float, count: int) -> float:
     """An equal share of the time left to `deadline` for each of `count` steps."""
-    return max(0.0, deadline - time.monotonic()) / count
+    return clock.left(deadline) / count
 
 
 def _solver_phase(
-    setting: Setting, tried: list[Candidate], deadline: float, seed: int, note: Callable[..., None], workers: int
+    setting: Setting,
+    tried: list[Candidate],
+    clock: Clock,
+    deadline: float,
+    seed: int,
+    note: Callable[..., None],
+    workers: int,
 ) -> tuple[Certificate, bool]:
     """Phase 4 with CP-SAT: one model per V of --chunks and placement (loop; v too at V > 1), each warm-started
     from the best verified order of its shape so far and cut off at tune's best makespan, the time to `deadline`
@@ -211,7 +227,7 @@ def _solver_phase(
             # placement solved first (its best is faster: its bound is likelier the run's, the other's cutoff tighter)
             weights = [(2 if job == first[job[0]] else 1) / job[0] ** 2 for job in pending[index:]]
             fraction = weights[0] / sum(weights)
-            if again and max(0.0, deadline - time.monotonic()) * fraction < RESOLVE_SECONDS:
+            if again and clock.left(deadline) * fraction < RESOLVE_SECONDS:
                 continue  # too little for a solve again to get further than the last
             # a solve again has only the time that the first round left: a starved round does not skip it
             solved_as, finished, starving = _solve_shape(
@@ -220,6 +236,7 @@ def _solver_phase(
                 (v, placement),
                 shapes,
                 fraction,
+                clock,
                 deadline,
                 seed,
                 note,
@@ -244,6 +261,7 @@ def _solve_shape(
     job: tuple[int, str],
     shapes: set[tuple[int, ...]],
     fraction: float,
+    clock: Clock,
     deadline: float,
     seed: int,
     note: Callable[..., None],
@@ -287,11 +305,12 @@ def _solve_shape(
         setting.limit,
         setting.costs.input_fraction,
         setting.stage_sizes(v),
-        max(0.0, deadline - time.monotonic()) * fraction,
+        clock.left(deadline) * fraction,
         hint,
         seed + again,
         workers,
         cutoff=None if math.isinf(cutoff) else cutoff,
+        clock=clock,
     )
     took = found.seconds + (before.seconds if before is not None else 0.0)
     if found.infeasible:
@@ -313,11 +332,11 @@ def _solve_shape(
         # starved: with its own best as the hint it found none; one only cut off below another shape's best
         # says nothing of the larger models
         return found.model, True, not found.optimal and _shape_best(tried, where) <= cutoff + _EPSILON
-    candidate = evaluate(name, (), found.orders, setting, phase=4, bound=bound)
+    candidate = evaluate(name, (), found.orders, setting, clock=clock, phase=4, bound=bound)
     finished = True
     if candidate.ok and found.makespan is not None and candidate.makespan > found.makespan + _EPSILON:  # type: ignore[operator]
-        until = time.monotonic() + max(0.0, deadline - time.monotonic()) * fraction
-        candidate, finished = _closer(candidate, found, template, setting, until, seed, workers)
+        until = clock.after(clock.left(deadline) * fraction)
+        candidate, finished = _closer(candidate, found, template, setting, clock, until, seed, workers)
     if not again or (candidate.ok and candidate.makespan < _shape_best(tried, where) - _EPSILON):  # type: ignore[operator]
         note(candidate, "solver")
     return found.model, finished, False
@@ -346,6 +365,7 @@ def _closer(
     found: cpsat.SolverResult,
     template: Program,
     setting: Setting,
+    clock: Clock,
     deadline: float,
     seed: int,
     workers: int,
@@ -358,12 +378,12 @@ def _closer(
     Returns the best and whether every placement ran its moves to the end."""
     assert found.orders is not None and found.makespan is not None
     v = found.orders.chunks
-    first = time.monotonic() + max(0.0, deadline - time.monotonic()) / (LATE_SEEDS + 1)
-    best, finished = _placed(candidate, setting, first, found.timing)
+    first = clock.after(clock.left(deadline) / (LATE_SEEDS + 1))
+    best, finished = _placed(candidate, setting, clock, first, found.timing)
     for index in range(LATE_SEEDS):
-        if best.makespan <= found.makespan + _EPSILON or time.monotonic() > deadline:  # type: ignore[operator]
+        if best.makespan <= found.makespan + _EPSILON or clock.passed(deadline):  # type: ignore[operator]
             break
-        left = max(0.0, deadline - time.monotonic())
+        left = clock.left(deadline)
         later = cpsat.solve(
             template,
             setting.stage_costs(v),
@@ -376,12 +396,13 @@ def _closer(
             workers,
             late=found.makespan,
             hint_timing=found.timing,
+            clock=clock,
         )
         if later.orders is None:
             continue
-        option = evaluate(candidate.name, (), later.orders, setting, phase=4, bound=found.bound)
-        until = time.monotonic() + max(0.0, deadline - time.monotonic()) / (LATE_SEEDS - index)
-        placed, done = _placed(option, setting, until, later.timing)
+        option = evaluate(candidate.name, (), later.orders, setting, clock=clock, phase=4, bound=found.bound)
+        until = clock.after(clock.left(deadline) / (LATE_SEEDS - index))
+        placed, done = _placed(option, setting, clock, until, later.timing)
         finished = finished and done
         best = min((c for c in (best, option, placed) if c.ok), key=Candidate.key, default=best)
     return best, finished
@@ -390,6 +411,7 @@ def _closer(
 def _placed(
     candidate: Candidate,
     setting: Setting,
+    clock: Clock,
     deadline: float,
     timing: Mapping[Action, tuple[float, float | None]] | None = None,
 ) -> tuple[Candidate, bool]:
@@ -410,13 +432,14 @@ def _placed(
     # the moves start from the faster of the two placements
     score = send_recv.nccl_score(first, costs)
     begin = first if score is not None and score[0] < candidate.makespan - _EPSILON else candidate.program
-    better, finished = send_recv.improve_placement(begin, costs, deadline)
+    better, finished = send_recv.improve_placement(begin, costs, clock, deadline)
     trial = evaluate(
         candidate.name,
         candidate.params,
         orders,
         setting,
         placed=better,
+        clock=clock,
         own_placement=True,
         moves=candidate.moves,
         phase=candidate.phase,
@@ -427,12 +450,13 @@ def _placed(
     return candidate, finished
 
 
-def _from_draw(draw: Draw, setting: Setting) -> Candidate:
+def _from_draw(draw: Draw, setting: Setting, clock: Clock) -> Candidate:
     if draw.problem:
         verdict = SKIPPED if draw.skipped else ERROR
         return Candidate(draw.name, draw.params, draw.chunks, None, None, None, verdict, draw.problem)
     try:
         if draw.choose:  # a cost-aware schedule is list-scheduled under the costs and the limit, per rank share
+            clock.charge(LIST_SECONDS_PER_OP * 3 * setting.microbatches * setting.ranks * draw.chunks)
             orders = compute_orders(
                 draw.source,
                 setting.ranks,
@@ -448,16 +472,16 @@ def _from_draw(draw: Draw, setting: Setting) -> Candidate:
             orders = compute_orders(draw.source, setting.ranks, setting.microbatches, draw.chunks, dict(draw.params))
     except PipecError as e:
         return Candidate(draw.name, draw.params, draw.chunks, None, None, None, ERROR, e.message.splitlines()[0])
-    return evaluate(draw.name, draw.params, orders, setting)
+    return evaluate(draw.name, draw.params, orders, setting, clock=clock)
 
 
-def _from_exact(name: str, v: int, found: ExactResult | str, setting: Setting) -> Candidate:
+def _from_exact(name: str, v: int, found: ExactResult | str, setting: Setting, clock: Clock) -> Candidate:
     if isinstance(found, str):
         return Candidate(name, (), v, None, None, None, SKIPPED, found, phase=4)
     if found.orders is None:
         why = "no order fits the limit" if found.optimal else "the time budget ended before an order was found"
         return Candidate(name, (), v, None, None, None, ERROR if found.optimal else SKIPPED, why, phase=4)
-    candidate = evaluate(name, (), found.orders, setting, phase=4)
+    candidate = evaluate(name, (), found.orders, setting, clock=clock, phase=4)
     if candidate.ok and not found.optimal:
         return replace(candidate, reason="not proved optimal: the time budget ended the search")
     return candidate
@@ -485,6 +509,7 @@ def _distinct_best(candidates: Sequence[Candidate], count: int) -> list[Candidat
 def improve(
     start: Candidate,
     setting: Setting,
+    clock: Clock,
     deadline: float,
     rng: random.Random,
     on_try: Callable[[Candidate], None] | None = None,
@@ -500,6 +525,8 @@ def improve(
     streams = [list(s) for s in orders.streams]
     best, moves = start, 0
     # None when only the default placement runs this order (place_p2p chose it): any trial that runs is progress
+    each = SCORE_SECONDS_PER_OP * compute_ops(orders)  # the clock's charge for one score
+    clock.charge(each)
     current = _quick_score(orders, costs) or (start.makespan, math.inf)
     while True:
         options = _moves(streams)
@@ -508,7 +535,7 @@ def improve(
         # starts a new pass)
         profiles = [memory_profile(stream, setting.costs.input_fraction, sizes) for stream in streams]
         for rank, i in options:
-            if time.monotonic() > deadline:
+            if clock.passed(deadline):
                 return best, False
             stream = streams[rank]
             a, b = stream[i], stream[i + 1]
@@ -518,8 +545,9 @@ def improve(
             stream[i], stream[i + 1] = b, a
             trial = orders.with_streams(tuple(map(tuple, streams)), has_comms=False)
             score = _quick_score(trial, costs)
+            clock.charge(each)
             if score is not None and _better(score, current):
-                found = evaluate(start.name, start.params, trial, setting, moves=moves + 1, phase=3)
+                found = evaluate(start.name, start.params, trial, setting, clock=clock, moves=moves + 1, phase=3)
                 if on_try is not None:
                     on_try(found)
                 if found.ok and found.makespan <= best.makespan + _EPSILON:  # type: ignore[operator]

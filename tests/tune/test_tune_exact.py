@@ -13,7 +13,6 @@ candidate, equal to the brute force's nccl optimum, and is never worse than it.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -23,6 +22,7 @@ from pipec.ir import Action, Kind, Program, loop_placement
 from pipec.sim.costs import parse_costs
 from pipec.sim.simulate import simulate
 from pipec.tune import Setting, cpsat, library_sources, tune
+from pipec.tune.clock import Clock
 from pipec.tune.exact import exact_candidates, exact_orders, small_enough
 from pipec.tune.greedy import listed_orders
 from pipec.verify.memory import memory_profile
@@ -89,7 +89,7 @@ def exact_makespan(
 ) -> tuple[float | None, Program | None]:
     template = Program("t", ranks, microbatches, 1, loop_placement(ranks, ranks), ((),) * ranks)
     costs = parse_costs(cost)
-    found = exact_orders(template, costs, limit, costs.input_fraction, deadline=time.monotonic() + 30, model=model)
+    found = exact_orders(template, costs, limit, costs.input_fraction, deadline=30, model=model)
     assert found.optimal, "the search should end at these sizes"
     return found.makespan, found.orders
 
@@ -138,7 +138,7 @@ def test_the_counters_lose_nothing_where_every_order_is_enumerated() -> None:
 def test_never_slower_than_the_list_schedules_in_its_model(cost: str, limit: float) -> None:
     # tune's phase 2 orders are points of the space searched, timed in the same model (nccl, send/recv placed)
     setting = Setting(3, 4, parse_costs(cost), limit, (1,))
-    ((_, _, found),) = exact_candidates(setting, time.monotonic() + 30)
+    ((_, _, found),) = exact_candidates(setting, Clock(), 30)
     assert found.optimal and found.orders is not None
     listed = [orders for _, _, orders in listed_orders(setting) if isinstance(orders, Program)]
     assert listed
@@ -156,19 +156,19 @@ def test_budget_stops_it_cleanly_and_says_so() -> None:
     assert found.orders is not None  # the first leaf comes within the cap (a list schedule's depth)
     assert simulate(found.orders, costs, p2p="nccl").makespan == pytest.approx(found.makespan)
     # a deadline already passed stops it as cleanly
-    late = exact_orders(template, costs, 2, costs.input_fraction, deadline=time.monotonic() - 1)
+    late = exact_orders(template, costs, 2, costs.input_fraction, deadline=-1)
     assert not late.optimal and late.nodes <= 256
 
 
 def test_sizes_over_the_bound_are_not_searched() -> None:
     assert small_enough(4, 5, 1) and not small_enough(4, 6, 1) and not small_enough(3, 4, 2)
     setting = Setting(4, 8, parse_costs("F=1,I=1,W=1"), 4, (1, 2))
-    assert list(exact_candidates(setting, time.monotonic() + 5)) == []
+    assert list(exact_candidates(setting, Clock(), 5)) == []
 
 
 def test_zero_durations_are_skipped_once_with_the_reason() -> None:
     setting = Setting(2, 2, parse_costs("F=1,I=1,W=0"), 2, (1, 2))
-    ((name, _, why),) = exact_candidates(setting, time.monotonic() + 5)
+    ((name, _, why),) = exact_candidates(setting, Clock(), 5)
     assert name == "exact" and "zero duration" in why
 
 

@@ -1,0 +1,138 @@
+"""How `pipec tune` counts its time budget (`Clock`), one object that the search hands down to every phase.
+
+A wall-clock budget proves less on a loaded machine: the same command on 2 shared cores got a fraction of a core
+and left the solver's bound open where an idle run proved the optimum (P=8, M=24, X=4, I=2F, comm=0.5: 214 idle
+against 218 loaded). CPU time does not fix it either: on this project's 2-core machine with a busy loop on each
+core, the same Python work took 28% more CPU seconds (3.38 against 2.64 s) and the same CP-SAT work 60% more
+(11.3 against 7.1 s), so a phase cut by CPU time still stops at another point when loaded. So the budget counts
+*work*, in seconds that it takes on this machine when idle:
+
+- tune's own phases charge the clock for what they do (`charge`), by the size of what they run: a list schedule,
+  a candidate judged (verified and simulated), a local move scored, a send/recv placement scored, a model built,
+  a batch of branch-and-bound nodes, each at its cost per op measured here (the constants below);
+- a CP-SAT solve is limited by the solver's *deterministic* time (`Clock.solver_limits`), which counts the same work
+  whatever the load, and charges that (`solver_seconds`);
+- so one worker given the same command makes the same decisions idle or loaded, and returns the same table;
+- two safety caps, where the estimate and the machine disagree: `now()` is never less than the process's CPU time
+  over CPU_CAP nor the wall time over WALL_CAP, so the command ends within CPU_CAP times its budget in CPU time
+  (what the charges leave out: compiling fixed library schedules, Python's own overhead) and WALL_CAP times in
+  wall time (a machine that gives the process under 1/WALL_CAP of a core). A cap that binds is the one case
+  where load changes the result.
+
+With `--workers N` the solver's deterministic time is the same work spread over N threads (faster in wall time on
+idle cores; not deterministic).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from pipec.ir import Program
+
+WALL_CAP = 3.0  # the command ends by this many times its budget in wall time, however loaded the machine
+CPU_CAP = 2.0  # and by this many times in CPU time, however far the charges are from what the work cost
+# Costs per compute op (3·P·M·V of them) of what tune's phases charge, measured on this project's 2-core machine
+# idle (time.process_time over repeated runs of library and list-scheduled orders at P=4 M=8 V=2, P=8 M=24 V=1
+# and V=2, P=16 M=64 V=2; the range is over those sizes, the constant near its top: the large sizes are the
+# ones a budget cuts):
+LIST_SECONDS_PER_OP = 100e-6  # one list-scheduled order (phase 2, or a library `choose` schedule): 49 to 105 us
+EVALUATE_SECONDS_PER_OP = 25e-6  # one candidate placed, verified and simulated (candidates.evaluate): 13 to 38 us
+SCORE_SECONDS_PER_OP = 12e-6  # one local move scored (search._quick_score: placed and simulated): 8 to 18 us
+PLACEMENT_SECONDS_PER_OP = 6e-6  # one send/recv placement scored (placement.nccl_score): 4.4 to 7.5 us
+BUILD_SECONDS_PER_OP = 80e-6  # building one CP-SAT model (cpsat.solve before the solver runs): 53 to 83 us
+NODE_SECONDS = 20e-6  # one node of the branch and bound (exact.py), its leaves' simulations spread over them
+# CP-SAT's deterministic time per CPU second of its solve, here, one worker: 0.52 in tune's warm-started solve of
+# P=8 M=24 X=4 I=2F (proved in 3.7 units); cold solves of 2 to 15 s: 0.90 (that model), 0.89 (P=8 M=16 X=4 W=2F),
+# 0.86 (P=4 M=8 X=2 V=2 placement v), 0.55 (P=8 M=24 X=4 I=2F comm=0.5), 0.30 (P=4 M=8 X=4 comm=0.5, proved in
+# 1.8 s). Near the warm-started and the messages' ratios, which are tune's solves: a solve given s seconds then
+# runs about s CPU seconds; one of a cold model without messages stops at about two thirds of them.
+DETERMINISTIC_PER_SECOND = 0.6
+SOLVER_FLOOR = 0.05  # the least solver time given, in seconds of the budget (CP-SAT rejects a limit of zero)
+
+
+def compute_ops(program: Program) -> int:
+    """The F, I and W of a program's micro-batches through its stages (what the costs per op above count)."""
+    return 3 * program.microbatches * program.stages_per_pipeline
+
+
+class Clock:
+    """The budget's clock: `now()` is the seconds of budget spent since the clock was made (module docstring).
+    Deadlines are values of `now()`. `cpu_cap`, `wall_cap`: the caps (math.inf: none, the work alone counts);
+    `cpu` and `wall`: their time sources (seconds, any origin)."""
+
+    def __init__(
+        self,
+        cpu_cap: float = CPU_CAP,
+        wall_cap: float = WALL_CAP,
+        cpu: Callable[[], float] = time.process_time,
+        wall: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cpu_cap, self.wall_cap = cpu_cap, wall_cap
+        self._cpu, self._wall = cpu, wall
+        self._cpu_start, self._wall_start = cpu(), wall()
+        self._work = 0.0
+
+    def charge(self, seconds: float) -> None:
+        """Count `seconds` of work done (a cost per op above times the ops, or a solve's `solver_seconds`)."""
+        self._work += seconds
+
+    def now(self) -> float:
+        """Seconds of the budget spent: the work charged, or the CPU time over CPU_CAP or the wall time over
+        WALL_CAP when either is more (the caps)."""
+        return max(
+            self._work,
+            (self._cpu() - self._cpu_start) / self.cpu_cap,
+            (self._wall() - self._wall_start) / self.wall_cap,
+        )
+
+    def after(self, seconds: float) -> float:
+        """The deadline `seconds` of budget from now."""
+        return self.now() + seconds
+
+    def left(self, deadline: float) -> float:
+        """Seconds of budget left until `deadline` (0 when passed)."""
+        return max(0.0, deadline - self.now())
+
+    def passed(self, deadline: float) -> bool:
+        return self.now() > deadline
+
+    def solver_limits(self, seconds: float) -> tuple[float, float]:
+        """CP-SAT's (max_deterministic_time, max_time_in_seconds) for a solve given `seconds` of the budget: the
+        deterministic limit is what binds (the same work idle or loaded); the wall limit is the wall cap's."""
+        seconds = max(SOLVER_FLOOR, seconds)
+        return seconds * DETERMINISTIC_PER_SECOND, seconds * self.wall_cap
+
+    def run_solver(self, solver, model, seconds: float, built: float) -> tuple[object, float]:
+        """Run a CP-SAT `solver` on `model` within `seconds` of the budget, `built` of them already spent on
+        building the model (a charge by its size): the limits of `solver_limits`, then the charges. Returns the
+        solver's status and the seconds of budget the model took, built and solved (deterministic)."""
+        self.charge(built)
+        deterministic, wall = self.solver_limits(seconds - built)
+        solver.parameters.max_deterministic_time = deterministic
+        solver.parameters.max_time_in_seconds = wall
+        status = solver.solve(model)
+        solved_in = solver_seconds(solver.response_proto.deterministic_time)
+        self.charge(solved_in)
+        return status, built + solved_in
+
+
+def solver_seconds(deterministic_time: float) -> float:
+    """A solve's deterministic time in seconds of the budget (about its CPU seconds here; the same idle or loaded)."""
+    return deterministic_time / DETERMINISTIC_PER_SECOND
+
+
+__all__ = [
+    "BUILD_SECONDS_PER_OP",
+    "CPU_CAP",
+    "DETERMINISTIC_PER_SECOND",
+    "EVALUATE_SECONDS_PER_OP",
+    "LIST_SECONDS_PER_OP",
+    "NODE_SECONDS",
+    "PLACEMENT_SECONDS_PER_OP",
+    "SCORE_SECONDS_PER_OP",
+    "WALL_CAP",
+    "Clock",
+    "compute_ops",
+    "solver_seconds",
+]

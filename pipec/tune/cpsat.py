@@ -56,6 +56,8 @@ KINDS = (Kind.F, Kind.I, Kind.W)
 _F, _I, _W = 0, 1, 2
 MODEL_IDEAL = "ideal"  # messages take message_time between producer and consumer, nothing else
 MODEL_POSTED = "posted sends"  # and the sender's rank spends message_time posting each send (overlap=0)
+EXECUTED_SERIAL = "serial"  # `executed` solves: a rank moves one message at a time, sent or received
+EXECUTED_DUPLEX = "duplex"  # one sent and one received at a time (a batch runs a send and a receive together)
 WINDOW = 16  # the most Booleans per forward in the counted memory cut (_counted)
 WORKERS = 1  # CP-SAT's default here: one worker is deterministic (the same input, the same orders); more are not
 
@@ -75,6 +77,8 @@ class SolverResult:
     # goes to another rank, when its send is posted (the producer's end without posting costs); the send/recv
     # placement follows it (pipec.tune.placement)
     timing: Mapping[Action, tuple[float, float | None]] | None = None
+    # an `executed` solve's transfers: per op whose output goes to another rank, when its message starts moving
+    transfers: Mapping[Action, float] | None = None
 
 
 def available() -> str | None:
@@ -238,6 +242,32 @@ class _Instance:
                         continue
                     break
         return start if len(start) == len(end) == self.stages * 3 * self.n_mb else None
+
+
+def _transfers(model, inst: _Instance, ready: dict, horizon: int, how: str) -> dict[tuple[int, int, int], object]:
+    """The `executed` restriction: each message moves for `message_time` on its own interval, from when it is
+    ready to go (its post, or its producer's end) to its consumer's earliest start (`ready` is rewired to its
+    end), and a rank moves one message at a time, sending or receiving (a no-overlap per rank over the messages
+    it sends and receives). nccl runs a rank's batches in order on one stream and a pair moves only when both
+    sides' batches run; the relaxation lets every message move at once. Returns each sender's transfer start."""
+    moving = {}
+    per_rank: list[list] = [[] for _ in range(inst.ranks * 2)]
+    duplex = inst.ranks if how == EXECUTED_DUPLEX else 0  # where a rank's receives go: apart from its sends
+    for op, at in list(ready.items()):
+        if not inst.sends(op):
+            continue
+        s, k, _ = op
+        go = model.new_int_var(0, horizon, f"t{op}")
+        model.add(go >= at - inst.delay)
+        interval = model.new_fixed_size_interval_var(go, inst.delay, f"x{op}")
+        target = s + 1 if k == _F else s - 1
+        per_rank[inst.where[s]].append(interval)
+        per_rank[duplex + inst.where[target]].append(interval)
+        ready[op] = go + inst.delay
+        moving[op] = go
+    for intervals in per_rank:
+        model.add_no_overlap(intervals)
+    return moving
 
 
 def _memory(model, inst: _Instance, start: dict, makespan, orders: list[tuple]) -> list[tuple]:
@@ -421,6 +451,7 @@ def solve(
     late: float | None = None,
     cutoff: float | None = None,
     hint_timing: Mapping[Action, tuple[float, float | None]] | None = None,
+    executed: str | None = None,
 ) -> SolverResult:
     """The least-makespan compute orders for `template`'s P, M, V and placement (module docstring), within
     `seconds` of solver time. `hint`: per-rank compute orders to start from (the best tune has). `workers`:
@@ -432,7 +463,9 @@ def solve(
     best nccl makespan tune has, of any shape): one slower in the model is slower under nccl too, so nothing tune
     could win is cut; a solve with no order within it proves the bound `cutoff` plus one unit (a result without
     orders, `optimal` true: the bound is proved; `infeasible` stays for the memory limit's own). `hint_timing`:
-    a solve's own timing (SolverResult.timing) to start from instead, for `late` (`_hinted_times` says why)."""
+    a solve's own timing (SolverResult.timing) to start from instead, for `late` (`_hinted_times` says why).
+    `executed`: the model restricted towards nccl's, to find orders nccl runs as timed (`_transfers`); its bound
+    is of that restriction, never of every schedule, so the result has none."""
     from ortools.sat.python import cp_model
 
     began = time.monotonic()
@@ -464,6 +497,7 @@ def solve(
             ready[op] = posted + inst.delay
         else:
             ready[op] = end + (inst.delay if inst.sends(op) else 0)
+    moving = _transfers(model, inst, ready, horizon, executed) if executed and inst.delay > 0 else {}
     for op in ops:
         for p in inst.inputs(*op):
             model.add(start[op] >= (ready[p] if inst.crosses(p, op) else start[p] + inst.dur[p[0]][p[1]]))
@@ -497,6 +531,8 @@ def solve(
     solver.parameters.random_seed = seed
     status = solver.solve(model)
     took = time.monotonic() - began
+    if executed and status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):  # a restriction proves nothing
+        return SolverResult(None, None, None, False, False, inst.model, took)
     if status == cp_model.INFEASIBLE and late is None:
         if limit_units is not None:  # no order within the cutoff: every one is slower in the model
             beyond = max(limit_units + 1, inst.cheap_bound()) / inst.scale
@@ -523,9 +559,10 @@ def solve(
         else:
             sent = (at + inst.dur[s][k]) / inst.scale
         timing[Action(s, KINDS[k], m)] = (at / inst.scale, sent)
-    if late is not None:
+    transfers = {Action(s, KINDS[k], m): solver.value(at) / inst.scale for (s, k, m), at in moving.items()}
+    if late is not None or executed:
         value = solver.value(makespan) / inst.scale
-        return SolverResult(orders, value, None, False, False, inst.model, took, timing)
+        return SolverResult(orders, value, None, False, False, inst.model, took, timing, transfers or None)
     value = solver.objective_value / inst.scale
     return SolverResult(orders, value, bound, status == cp_model.OPTIMAL, False, inst.model, took, timing)
 

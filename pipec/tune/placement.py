@@ -21,27 +21,35 @@ steps close most of that (45.5 there; tests/tune/test_tune_placement.py):
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections.abc import Mapping
+from fractions import Fraction
 from itertools import pairwise
 
 from pipec.errors import PipecError
 from pipec.ir import Action, Instruction, Kind, Program
-from pipec.p2p_rule import counterpart, message_id, send_for
+from pipec.p2p_rule import consumers, counterpart, message_id, producers, send_for
 from pipec.sim.costs import Costs
 from pipec.sim.simulate import simulate
 from pipec.tune.cpsat import model_times
 
 _EPSILON = 1e-9
+_PLACED_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B})
 
 
 def ahead(
-    orders: Program, costs: Costs, timing: Mapping[Action, tuple[float, float | None]] | None = None
+    orders: Program,
+    costs: Costs,
+    timing: Mapping[Action, tuple[float, float | None]] | None = None,
+    transfers: Mapping[Action, float] | None = None,
 ) -> Program | None:
     """The compute-only `orders` with send/recv placed as the module docstring says (None: the order cannot run).
     `timing`: per compute op its start and when its send is posted, as the solver timed them (cpsat.SolverResult);
     None: every op and post as early as the order allows. A solver may post a send after a later compute (the
-    post holds the host without overlap), and the stream must say so: the sim posts a send where it sits."""
+    post holds the host without overlap), and the stream must say so: the sim posts a send where it sits.
+    `transfers`: when each message moves (cpsat's `executed` solves): its receive is posted by then, not by the
+    send's post."""
     times = model_times(orders, costs)
     if times is None:
         return None
@@ -82,7 +90,8 @@ def ahead(
             )
             # first, right after the receiver's last compute that ends by the time the send is posted: its batch
             # is posted before the sender's starts
-            entry = [bisect.bisect_right(ends[peer], end + _EPSILON), end, ident, receive, index_of[peer][consumer]]
+            moves = end if transfers is None else transfers.get(action, end)
+            entry = [bisect.bisect_right(ends[peer], moves + _EPSILON), moves, ident, receive, index_of[peer][consumer]]
             receives[peer].append(entry)
             channels.setdefault((rank, peer), []).append(entry)
     for _ in range(3):
@@ -164,8 +173,190 @@ def improve_placement(program: Program, costs: Costs, deadline: float) -> tuple[
             return program.with_streams(tuple(map(tuple, streams)), has_comms=True), True
 
 
+# how many computes each send/recv may move from the last placement in one placement solve: the narrow window
+# first, the wide one when the narrow finds nothing faster
+PLACEMENT_WINDOWS = (1, 3)
+
+
+def solve_placement(
+    program: Program,
+    costs: Costs,
+    seconds: float,
+    windows: tuple[int, ...] = PLACEMENT_WINDOWS,
+    deterministic: float | None = None,
+) -> Program | None:
+    """The send/recv of a placed `program` (it must run under nccl) placed again by CP-SAT models of nccl's
+    batches for its compute order (module docstring): each solve takes every placement within a window of gaps
+    around the last one's, and the next starts from its best; a solve that finds nothing faster widens the
+    window, one that does narrows it again, until the widest finds nothing or `seconds` end (measured at P=4,
+    M=8, V=2, comm=0.5: a window of 1 proves its best in a fifth of the time a window of 2 or 4 takes to find it;
+    on small cases it stops half a unit short where 3 reaches the best of any window). None when the model
+    cannot take the program or finds nothing faster. `deterministic`: a limit in CP-SAT's deterministic time for
+    each solve (the same result whatever the load)."""
+    deadline = time.monotonic() + seconds
+    best, score = None, nccl_score(program, costs)
+    level = 0
+    while score is not None and level < len(windows) and time.monotonic() < deadline:
+        placed = _placement_solve(program, costs, deadline - time.monotonic(), windows[level], deterministic)
+        faster = None if placed is None else nccl_score(placed, costs)
+        if faster is None or faster >= score:
+            level += 1
+            continue
+        best, program, score, level = placed, placed, faster, 0
+    return best
+
+
+def _placement_solve(
+    program: Program, costs: Costs, seconds: float, window: int, deterministic: float | None
+) -> Program | None:
+    """One placement solve (`solve_placement`): each send and receive sits in one of the gaps between its rank's
+    computes within `window` gaps of where `program` has it (program itself, solved with its placement fixed, is
+    the hint); the model's makespan is the least nccl makespan of those placements, and the simulator reproduces
+    it (each constraint is one of nccl's rules as an inequality, so the simulated times are never later)."""
+    from ortools.sat.python import cp_model
+
+    began = time.monotonic()
+    where = program.stage_to_rank
+    n_mb = program.microbatches
+    table = costs.per_stage(program.num_stages)
+    computes: list[list[Action]] = [[] for _ in program.streams]
+    # per comm op (rank, its position in the stream): (the gap it sits in, the op)
+    comms: list[list[tuple[int, int, Action]]] = [[] for _ in program.streams]
+    for rank, stream in enumerate(program.streams):
+        for position, op in enumerate(stream):
+            if type(op) is not Action or op.kind not in _PLACED_KINDS:
+                return None  # an overlapped pair or a collective: not in this model
+            if op.kind.is_comm:
+                comms[rank].append((len(computes[rank]), position, op))
+            else:
+                computes[rank].append(op)
+    exact = {kind: [Fraction(str(x)) for x in table[kind]] for kind in (Kind.F, Kind.B, Kind.I, Kind.W)}
+    message = Fraction(str(costs.message_time))
+    scale = math.lcm(message.denominator, *(d.denominator for row in exact.values() for d in row))
+    delay = int(message * scale)
+    post = 0 if costs.overlap else delay
+    index_of = [{op: j for j, op in enumerate(mine)} for mine in computes]
+    try:
+        reference = simulate(program, costs, p2p="nccl", record=True)
+    except PipecError:
+        return None
+    timed = [{op.instruction: op.start for op in line if not op.is_comm} for line in reference.timeline]
+    horizon = math.ceil(reference.makespan * scale) + 1
+    model = cp_model.CpModel()
+    start = [[model.new_int_var(0, horizon, f"c{r}_{j}") for j in range(len(mine))] for r, mine in enumerate(computes)]
+    dur = [[int(exact[op.kind][op.stage] * scale) for op in mine] for mine in computes]
+
+    def end(rank: int, j: int):
+        return start[rank][j] + dur[rank][j]
+
+    gaps = [len(mine) + 1 for mine in computes]
+    begins = [[model.new_int_var(0, horizon, f"b{r}_{g}") for g in range(n)] for r, n in enumerate(gaps)]
+    completes = [[model.new_int_var(0, horizon, f"d{r}_{g}") for g in range(n)] for r, n in enumerate(gaps)]
+    makespan = model.new_int_var(0, horizon, "makespan")
+    for rank, n in enumerate(gaps):
+        for g in range(n):
+            # a batch is posted when the host reaches its gap, starts when its predecessors on the stream completed
+            if g:
+                model.add(begins[rank][g] >= end(rank, g - 1))
+                model.add(begins[rank][g] >= completes[rank][g - 1])
+            model.add(completes[rank][g] >= begins[rank][g])
+        model.add(makespan >= completes[rank][n - 1])
+    # each comm op's gap, as Booleans over its window
+    choice: dict[tuple[int, int], dict[int, object]] = {}
+    sends: dict[int, tuple[int, int]] = {}
+    receives: dict[int, tuple[int, int]] = {}
+    holds: list[list[list]] = [[[] for _ in range(n)] for n in gaps]
+    for rank, mine in enumerate(comms):
+        for gap, position, op in mine:
+            ident = message_id(op, n_mb)
+            if op.kind in (Kind.SEND_F, Kind.SEND_B):
+                producer = next(p for p in producers(op) if p in index_of[rank])
+                low, high = index_of[rank][producer] + 1, gaps[rank] - 1
+                sends[ident] = (rank, position)
+            else:
+                consumer = next(c for c in consumers(op) if c in index_of[rank])
+                low, high = 0, index_of[rank][consumer]
+                receives[ident] = (rank, position)
+            options = range(max(low, gap - window), min(high, gap + window) + 1)
+            flags = {g: model.new_bool_var(f"g{rank}_{position}_{g}") for g in options}
+            model.add_exactly_one(flags.values())
+            for g, flag in flags.items():
+                model.add_hint(flag, g == gap)
+                if op.kind in (Kind.SEND_F, Kind.SEND_B):
+                    holds[rank][g].append(flag)
+            choice[(rank, position)] = flags
+    for rank, mine in enumerate(computes):
+        for j in range(len(mine)):
+            # the host posts the batch before compute j, then spends `post` on each of its sends
+            before = end(rank, j - 1) if j else 0
+            model.add(start[rank][j] >= before + post * sum(holds[rank][j]))
+            model.add_hint(start[rank][j], round(timed[rank][mine[j]] * scale))
+        last = len(mine) - 1
+        model.add(makespan >= (end(rank, last) if last >= 0 else 0) + post * sum(holds[rank][last + 1]))
+    for ident, sender in sends.items():
+        receiver = receives[ident]
+        done = model.new_int_var(0, horizon, f"m{ident}")
+        for rank, position in (sender, receiver):
+            for g, flag in choice[(rank, position)].items():
+                # the pair completes message_time after both batches started; its batch completes after it
+                model.add(done >= begins[rank][g] + delay).only_enforce_if(flag)
+                model.add(completes[rank][g] >= done).only_enforce_if(flag)
+        rank, position = receiver
+        receive = program.streams[rank][position]
+        consumer = index_of[rank][next(c for c in consumers(receive) if c in index_of[rank])]
+        for g, flag in choice[receiver].items():
+            model.add(start[rank][consumer] >= completes[rank][g]).only_enforce_if(flag)  # the whole batch
+    # a channel's messages keep their order on both sides (the k-th send meets the k-th receive)
+    channels: dict[tuple[int, int], list[int]] = {}
+    for rank, mine in enumerate(comms):
+        for _, _, op in mine:
+            if op.kind in (Kind.SEND_F, Kind.SEND_B):
+                peer = where[counterpart(op).stage]
+                channels.setdefault((rank, peer), []).append(message_id(op, n_mb))
+    for chain in channels.values():
+        for earlier, later in pairwise(chain):
+            for side in (sends, receives):
+                model.add(_gap_of(choice[side[earlier]]) <= _gap_of(choice[side[later]]))
+    model.minimize(makespan)
+    # a complete hint: the model with every send/recv where `program` has it, solved (propagation alone)
+    fixed = model.clone()
+    for (rank, position), flags in choice.items():
+        gap = next(gap for gap, pos, _ in comms[rank] if pos == position)
+        for g, flag in flags.items():
+            fixed.add(fixed.get_bool_var_from_proto_index(flag.index) == (g == gap))
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.05, seconds - (time.monotonic() - began))
+    solver.parameters.num_workers = 1
+    if solver.solve(fixed) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    model.clear_hints()
+    for index in range(len(model.proto.variables)):
+        variable = model.get_int_var_from_proto_index(index)
+        model.add_hint(variable, solver.value(variable))
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.05, seconds - (time.monotonic() - began))
+    solver.parameters.num_workers = 1
+    if deterministic is not None:
+        solver.parameters.max_deterministic_time = deterministic
+    status = solver.solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    streams = []
+    for rank, mine in enumerate(computes):
+        placed: list[tuple[tuple[int, int, int], Action]] = [((j, 1, 0), op) for j, op in enumerate(mine)]
+        for _, position, op in comms[rank]:
+            g = next(g for g, flag in choice[(rank, position)].items() if solver.boolean_value(flag))
+            placed.append(((g, 0, position), op))  # within a gap, the reference's order (each channel's)
+        streams.append(tuple(op for _, op in sorted(placed, key=lambda item: item[0])))
+    return program.with_streams(tuple(streams), has_comms=True)
+
+
+def _gap_of(flags: Mapping[int, object]):
+    return sum(g * flag for g, flag in flags.items())
+
+
 def _is_comm(instruction: Instruction) -> bool:
     return type(instruction) is Action and instruction.kind.is_comm
 
 
-__all__ = ["ahead", "improve_placement", "nccl_score"]
+__all__ = ["PLACEMENT_WINDOWS", "ahead", "improve_placement", "nccl_score", "solve_placement"]

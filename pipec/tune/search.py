@@ -358,8 +358,34 @@ def _closer(
     Returns the best and whether every placement ran its moves to the end."""
     assert found.orders is not None and found.makespan is not None
     v = found.orders.chunks
-    first = time.monotonic() + max(0.0, deadline - time.monotonic()) / (LATE_SEEDS + 1)
-    best, finished = _placed(candidate, setting, first, found.timing)
+    serial = v == 1 and setting.costs.message_time > 0  # an `executed` solve is tried (below)
+    steps = LATE_SEEDS + 1 + serial
+    first = time.monotonic() + max(0.0, deadline - time.monotonic()) / steps
+    best, finished = _placed(candidate, setting, first, found.timing, found.makespan)
+    if serial and best.makespan > found.makespan + _EPSILON and time.monotonic() < deadline:  # type: ignore[operator]
+        # orders timed with each rank moving one message at a time, as nccl's one stream does (measured at V=1:
+        # they reach the model's makespan where the relaxation's optimal orders lose half a unit with any
+        # placement; at V=2 the restriction costs more than it saves)
+        until = time.monotonic() + max(0.0, deadline - time.monotonic()) / (steps - 1)
+        executed = cpsat.solve(
+            template,
+            setting.stage_costs(v),
+            setting.limit,
+            setting.costs.input_fraction,
+            setting.stage_sizes(v),
+            max(0.0, until - time.monotonic()) / 2,
+            found.orders.streams,
+            seed,
+            workers,
+            cutoff=best.makespan,
+            hint_timing=found.timing,
+            executed=cpsat.EXECUTED_SERIAL,
+        )
+        if executed.orders is not None:
+            option = evaluate(candidate.name, (), executed.orders, setting, phase=4, bound=found.bound)
+            placed, done = _placed(option, setting, until, executed.timing, found.makespan, executed.transfers)
+            finished = finished and done
+            best = min((c for c in (best, option, placed) if c.ok), key=Candidate.key, default=best)
     for index in range(LATE_SEEDS):
         if best.makespan <= found.makespan + _EPSILON or time.monotonic() > deadline:  # type: ignore[operator]
             break
@@ -381,7 +407,7 @@ def _closer(
             continue
         option = evaluate(candidate.name, (), later.orders, setting, phase=4, bound=found.bound)
         until = time.monotonic() + max(0.0, deadline - time.monotonic()) / (LATE_SEEDS - index)
-        placed, done = _placed(option, setting, until, later.timing)
+        placed, done = _placed(option, setting, until, later.timing, found.makespan)
         finished = finished and done
         best = min((c for c in (best, option, placed) if c.ok), key=Candidate.key, default=best)
     return best, finished
@@ -392,10 +418,14 @@ def _placed(
     setting: Setting,
     deadline: float,
     timing: Mapping[Action, tuple[float, float | None]] | None = None,
+    target: float | None = None,
+    transfers: Mapping[Action, float] | None = None,
 ) -> tuple[Candidate, bool]:
     """The candidate with its send/recv placed by pipec.tune.placement (from `timing`, the solver's, or the
-    earliest; receives posted ahead, then local moves of single sends and receives) when that verifies and runs
-    faster under nccl, else the candidate itself; and whether the placement's moves ended before `deadline`."""
+    earliest; receives posted ahead, then local moves of single sends and receives, then, while it runs slower
+    than `target` (the solver's makespan of the order), the placement solve around the best) when that verifies
+    and runs faster under nccl, else the candidate itself; and whether the placement's moves ended before
+    `deadline`."""
     if not candidate.ok or candidate.program is None or candidate.makespan is None:
         return candidate, True
     if candidate.program.pipelines > 1:
@@ -407,10 +437,21 @@ def _placed(
     first = send_recv.ahead(orders, costs, timing)
     if first is None:
         return candidate, True
-    # the moves start from the faster of the two placements
-    score = send_recv.nccl_score(first, costs)
-    begin = first if score is not None and score[0] < candidate.makespan - _EPSILON else candidate.program
-    better, finished = send_recv.improve_placement(begin, costs, deadline)
+    begin, fastest = candidate.program, candidate.makespan
+    for option in (first, None if transfers is None else send_recv.ahead(orders, costs, timing, transfers)):
+        # the moves start from the fastest placement: pipec's, receives by the sends' posts, or by the transfers
+        score = None if option is None else send_recv.nccl_score(option, costs)
+        if score is not None and score[0] < fastest - _EPSILON:
+            begin, fastest = option, score[0]
+    moves_until = time.monotonic() + max(0.0, deadline - time.monotonic()) / 2
+    better, finished = send_recv.improve_placement(begin, costs, moves_until)
+    reached = send_recv.nccl_score(better, costs)
+    if reached is not None and (target is None or reached[0] > target + _EPSILON):
+        # the moves stop where no single one helps; the solve looks at every placement near that one at once
+        solved = send_recv.solve_placement(better, costs, max(0.0, deadline - time.monotonic()))
+        score = None if solved is None else send_recv.nccl_score(solved, costs)
+        if score is not None and score < reached:
+            better = solved
     trial = evaluate(
         candidate.name,
         candidate.params,

@@ -38,6 +38,9 @@ What is exact and what is relaxed: the model is pipec's `ideal` p2p model (with 
 runs a rank's batches in order). So the solver's bound is a lower bound on the nccl makespan of every schedule of
 that V and placement; at `comm = 0` it is the ideal model's optimum and nccl reaches it when the send/recv
 placement adds no wait; with messages it is the bound of a relaxation (free batching of sends and receives).
+An `executed` solve restricts it towards nccl to find orders, never a bound (`_transfers`): each message moves
+on an interval of message_time that a rank's other messages do not overlap (nccl runs a rank's batches in order
+on one stream); tune tries it at V=1 for an optimal order nccl runs slower than the model.
 """
 
 from __future__ import annotations

@@ -15,7 +15,16 @@ steps close most of that (45.5 there; tests/tune/test_tune_placement.py):
 - `improve_placement`: local moves on where the sends and receives sit (one swapped with a neighbouring compute,
   which changes which batch it joins and when it is posted, never the order of the messages on a channel), kept
   when the nccl makespan, then the sum of the compute ends, decreases; the simulator is the judge, and the caller
-  verifies what it keeps (a move can make a deadlock, which the simulator refuses).
+  verifies what it keeps (a move can make a deadlock, which the simulator refuses);
+- `solve_placement`: where the moves stop above the solver's makespan (no single move helps, since a compute
+  waits for its whole batch), a CP-SAT model of nccl's rule for the fixed compute order chooses every send's and
+  receive's gap at once: per rank, computes in order with their post holds; per gap, the batch there starts at
+  max(posted: the end of the compute before it, the previous gap's batch completed) and completes after each of
+  its pairs, a pair at max(both batches' starts) + message_time; a consumer starts after the whole batch holding
+  its receive; a channel's messages keep their order on both sides. Each rule is an inequality whose least
+  solution is what the simulator computes, so the model's optimum is the least nccl makespan over the
+  placements it allows, and the simulator reproduces it (measured at P=4, M=8, V=2, I=2F, comm=0.5, limit 4:
+  51 after the moves, 50.5 after the solve, which proves 50.5 the best within its window).
 """
 
 from __future__ import annotations
@@ -184,6 +193,7 @@ def solve_placement(
     seconds: float,
     windows: tuple[int, ...] = PLACEMENT_WINDOWS,
     deterministic: float | None = None,
+    target: float | None = None,
 ) -> Program | None:
     """The send/recv of a placed `program` (it must run under nccl) placed again by CP-SAT models of nccl's
     batches for its compute order (module docstring): each solve takes every placement within a window of gaps
@@ -192,11 +202,13 @@ def solve_placement(
     M=8, V=2, comm=0.5: a window of 1 proves its best in a fifth of the time a window of 2 or 4 takes to find it;
     on small cases it stops half a unit short where 3 reaches the best of any window). None when the model
     cannot take the program or finds nothing faster. `deterministic`: a limit in CP-SAT's deterministic time for
-    each solve (the same result whatever the load)."""
+    each solve (the same result whatever the load). `target`: a makespan no placement beats (the order's own in
+    the solver's model, which never times an order later than nccl does): reaching it ends the solves."""
     deadline = time.monotonic() + seconds
     best, score = None, nccl_score(program, costs)
     level = 0
-    while score is not None and level < len(windows) and time.monotonic() < deadline:
+    reached = -math.inf if target is None else target + _EPSILON
+    while score is not None and score[0] > reached and level < len(windows) and time.monotonic() < deadline:
         placed = _placement_solve(program, costs, deadline - time.monotonic(), windows[level], deterministic)
         faster = None if placed is None else nccl_score(placed, costs)
         if faster is None or faster >= score:

@@ -422,10 +422,10 @@ def _placed(
     transfers: Mapping[Action, float] | None = None,
 ) -> tuple[Candidate, bool]:
     """The candidate with its send/recv placed by pipec.tune.placement (from `timing`, the solver's, or the
-    earliest; receives posted ahead, then local moves of single sends and receives, then, while it runs slower
-    than `target` (the solver's makespan of the order), the placement solve around the best) when that verifies
-    and runs faster under nccl, else the candidate itself; and whether the placement's moves ended before
-    `deadline`."""
+    earliest; receives posted ahead, then local moves of single sends and receives; for a solver order, while it
+    runs slower than `target`, its makespan in the model, then the placement solve around the best) when that
+    verifies and runs faster under nccl, else the candidate itself; and whether the placement's moves ended
+    before `deadline`."""
     if not candidate.ok or candidate.program is None or candidate.makespan is None:
         return candidate, True
     if candidate.program.pipelines > 1:
@@ -443,12 +443,14 @@ def _placed(
         score = None if option is None else send_recv.nccl_score(option, costs)
         if score is not None and score[0] < fastest - _EPSILON:
             begin, fastest = option, score[0]
-    moves_until = time.monotonic() + max(0.0, deadline - time.monotonic()) / 2
+    # a solver order (`target`, so OR-tools is there) keeps half the time for the placement solve
+    moves_until = deadline if target is None else time.monotonic() + max(0.0, deadline - time.monotonic()) / 2
     better, finished = send_recv.improve_placement(begin, costs, moves_until)
     reached = send_recv.nccl_score(better, costs)
-    if reached is not None and (target is None or reached[0] > target + _EPSILON):
+    if target is not None and reached is not None and reached[0] > target + _EPSILON:
         # the moves stop where no single one helps; the solve looks at every placement near that one at once
-        solved = send_recv.solve_placement(better, costs, max(0.0, deadline - time.monotonic()))
+        left = max(0.0, deadline - time.monotonic())
+        solved = send_recv.solve_placement(better, costs, left, target=target)
         score = None if solved is None else send_recv.nccl_score(solved, costs)
         if score is not None and score < reached:
             better = solved

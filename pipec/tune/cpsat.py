@@ -247,6 +247,23 @@ class _Instance:
         return start if len(start) == len(end) == self.stages * 3 * self.n_mb else None
 
 
+def _timing(inst: _Instance, solver, start: dict, posts: dict) -> dict[Action, tuple[float, float | None]]:
+    """SolverResult.timing of a solve: per op its start and, for an op whose output goes to another rank, when
+    its send is posted (its post's start, or the producer's end without posting costs)."""
+    timing: dict[Action, tuple[float, float | None]] = {}
+    for op in inst.ops():
+        s, k, m = op
+        at = solver.value(start[op])
+        if not inst.sends(op):
+            sent = None
+        elif op in posts:
+            sent = solver.value(posts[op]) / inst.scale
+        else:
+            sent = (at + inst.dur[s][k]) / inst.scale
+        timing[Action(s, KINDS[k], m)] = (at / inst.scale, sent)
+    return timing
+
+
 def _transfers(model, inst: _Instance, ready: dict, horizon: int, how: str) -> dict[tuple[int, int, int], object]:
     """The `executed` restriction: each message moves for `message_time` on its own interval, from when it is
     ready to go (its post, or its producer's end) to its consumer's earliest start (`ready` is rewired to its
@@ -551,17 +568,7 @@ def solve(
         mine = sorted((solver.value(start[op]), op) for op in ops if inst.where[op[0]] == rank)
         streams.append(tuple(Action(s, KINDS[k], m) for _, (s, k, m) in mine))
     orders = replace(template, streams=tuple(streams), has_comms=False)
-    timing: dict[Action, tuple[float, float | None]] = {}
-    for op in ops:
-        s, k, m = op
-        at = solver.value(start[op])
-        if not inst.sends(op):
-            sent = None
-        elif op in posts:
-            sent = solver.value(posts[op]) / inst.scale
-        else:
-            sent = (at + inst.dur[s][k]) / inst.scale
-        timing[Action(s, KINDS[k], m)] = (at / inst.scale, sent)
+    timing = _timing(inst, solver, start, posts)
     transfers = {Action(s, KINDS[k], m): solver.value(at) / inst.scale for (s, k, m), at in moving.items()}
     if late is not None or executed:
         value = solver.value(makespan) / inst.scale

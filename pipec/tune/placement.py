@@ -144,6 +144,43 @@ def _spread(receives: list[list[list]], computes: list[list[Action]], times, del
     return moved
 
 
+def place(
+    orders: Program,
+    placed: Program,
+    makespan: float,
+    costs: Costs,
+    deadline: float,
+    timing: Mapping[Action, tuple[float, float | None]] | None = None,
+    target: float | None = None,
+    transfers: Mapping[Action, float] | None = None,
+) -> tuple[Program, bool] | None:
+    """The compute-only `orders` placed as the module docstring says, from the fastest start of `placed` (its
+    placement as tune judged it, at `makespan` under nccl) and `ahead`'s from `timing` (and from `transfers`),
+    then the local moves until `deadline` (time.monotonic()); for a solver order, `target` (its makespan in the
+    model) given, half of the time left for the moves and, while they stop above it, the placement solve. Returns
+    the placed program and whether the moves ended before the deadline; None when `ahead` cannot place the
+    order."""
+    first = ahead(orders, costs, timing)
+    if first is None:
+        return None
+    begin, fastest = placed, makespan
+    for option in (first, None if transfers is None else ahead(orders, costs, timing, transfers)):
+        score = None if option is None else nccl_score(option, costs)
+        if score is not None and score[0] < fastest - _EPSILON:
+            begin, fastest = option, score[0]
+    # a solver order (`target`, so OR-tools is there) keeps half the time for the placement solve
+    moves_until = deadline if target is None else time.monotonic() + max(0.0, deadline - time.monotonic()) / 2
+    better, finished = improve_placement(begin, costs, moves_until)
+    reached = nccl_score(better, costs)
+    if target is not None and reached is not None and reached[0] > target + _EPSILON:
+        # the moves stop where no single one helps; the solve looks at every placement near that one at once
+        solved = solve_placement(better, costs, max(0.0, deadline - time.monotonic()), target=target)
+        score = None if solved is None else nccl_score(solved, costs)
+        if score is not None and score < reached:
+            better = solved
+    return better, finished
+
+
 def nccl_score(program: Program, costs: Costs) -> tuple[float, float] | None:
     """(nccl makespan, the sum of the compute ends) of a placed program, or None when it does not run."""
     try:
@@ -228,11 +265,51 @@ def _placement_solve(
     from ortools.sat.python import cp_model
 
     began = time.monotonic()
-    where = program.stage_to_rank
-    n_mb = program.microbatches
-    table = costs.per_stage(program.num_stages)
+    split = _computes_and_comms(program)
+    if split is None:
+        return None
+    try:
+        horizon = simulate(program, costs, p2p="nccl").makespan
+    except PipecError:
+        return None
+    batches = _Batches(program, costs, *split, horizon)
+    batches.place(window)
+    # a complete hint: the model with every send/recv where `program` has it, solved (propagation alone)
+    fixed = batches.model.clone()
+    for (rank, position), flags in batches.choice.items():
+        gap = next(gap for gap, pos, _ in batches.comms[rank] if pos == position)
+        for g, flag in flags.items():
+            fixed.add(fixed.get_bool_var_from_proto_index(flag.index) == (g == gap))
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.05, seconds - (time.monotonic() - began))
+    solver.parameters.num_workers = 1
+    if solver.solve(fixed) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    model = batches.model
+    for index in range(len(model.proto.variables)):
+        variable = model.get_int_var_from_proto_index(index)
+        model.add_hint(variable, solver.value(variable))
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.05, seconds - (time.monotonic() - began))
+    solver.parameters.num_workers = 1
+    if deterministic is not None:
+        solver.parameters.max_deterministic_time = deterministic
+    if solver.solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    streams = []
+    for rank, mine in enumerate(batches.computes):
+        placed: list[tuple[tuple[int, int, int], Action]] = [((j, 1, 0), op) for j, op in enumerate(mine)]
+        for _, position, op in batches.comms[rank]:
+            g = next(g for g, flag in batches.choice[(rank, position)].items() if solver.boolean_value(flag))
+            placed.append(((g, 0, position), op))  # within a gap, the reference's order (each channel's)
+        streams.append(tuple(op for _, op in sorted(placed, key=lambda item: item[0])))
+    return program.with_streams(tuple(streams), has_comms=True)
+
+
+def _computes_and_comms(program: Program) -> tuple[list[list[Action]], list[list[tuple[int, int, Action]]]] | None:
+    """Per rank its computes in order and its sends and receives as (the gap they sit in: the number of computes
+    before them, their position in the stream, the op); None for what the placement model does not take."""
     computes: list[list[Action]] = [[] for _ in program.streams]
-    # per comm op (rank, its position in the stream): (the gap it sits in, the op)
     comms: list[list[tuple[int, int, Action]]] = [[] for _ in program.streams]
     for rank, stream in enumerate(program.streams):
         for position, op in enumerate(stream):
@@ -242,125 +319,124 @@ def _placement_solve(
                 comms[rank].append((len(computes[rank]), position, op))
             else:
                 computes[rank].append(op)
-    exact = {kind: [Fraction(str(x)) for x in table[kind]] for kind in (Kind.F, Kind.B, Kind.I, Kind.W)}
-    message = Fraction(str(costs.message_time))
-    scale = math.lcm(message.denominator, *(d.denominator for row in exact.values() for d in row))
-    delay = int(message * scale)
-    post = 0 if costs.overlap else delay
-    index_of = [{op: j for j, op in enumerate(mine)} for mine in computes]
-    try:
-        reference = simulate(program, costs, p2p="nccl", record=True)
-    except PipecError:
-        return None
-    timed = [{op.instruction: op.start for op in line if not op.is_comm} for line in reference.timeline]
-    horizon = math.ceil(reference.makespan * scale) + 1
-    model = cp_model.CpModel()
-    start = [[model.new_int_var(0, horizon, f"c{r}_{j}") for j in range(len(mine))] for r, mine in enumerate(computes)]
-    dur = [[int(exact[op.kind][op.stage] * scale) for op in mine] for mine in computes]
+    return computes, comms
 
-    def end(rank: int, j: int):
-        return start[rank][j] + dur[rank][j]
 
-    gaps = [len(mine) + 1 for mine in computes]
-    begins = [[model.new_int_var(0, horizon, f"b{r}_{g}") for g in range(n)] for r, n in enumerate(gaps)]
-    completes = [[model.new_int_var(0, horizon, f"d{r}_{g}") for g in range(n)] for r, n in enumerate(gaps)]
-    makespan = model.new_int_var(0, horizon, "makespan")
-    for rank, n in enumerate(gaps):
-        for g in range(n):
-            # a batch is posted when the host reaches its gap, starts when its predecessors on the stream completed
-            if g:
-                model.add(begins[rank][g] >= end(rank, g - 1))
-                model.add(begins[rank][g] >= completes[rank][g - 1])
-            model.add(completes[rank][g] >= begins[rank][g])
-        model.add(makespan >= completes[rank][n - 1])
-    # each comm op's gap, as Booleans over its window
-    choice: dict[tuple[int, int], dict[int, object]] = {}
-    sends: dict[int, tuple[int, int]] = {}
-    receives: dict[int, tuple[int, int]] = {}
-    holds: list[list[list]] = [[[] for _ in range(n)] for n in gaps]
-    for rank, mine in enumerate(comms):
-        for gap, position, op in mine:
-            ident = message_id(op, n_mb)
-            if op.kind in (Kind.SEND_F, Kind.SEND_B):
-                producer = next(p for p in producers(op) if p in index_of[rank])
-                low, high = index_of[rank][producer] + 1, gaps[rank] - 1
-                sends[ident] = (rank, position)
-            else:
-                consumer = next(c for c in consumers(op) if c in index_of[rank])
-                low, high = 0, index_of[rank][consumer]
-                receives[ident] = (rank, position)
-            options = range(max(low, gap - window), min(high, gap + window) + 1)
-            flags = {g: model.new_bool_var(f"g{rank}_{position}_{g}") for g in options}
-            model.add_exactly_one(flags.values())
-            for g, flag in flags.items():
-                model.add_hint(flag, g == gap)
-                if op.kind in (Kind.SEND_F, Kind.SEND_B):
-                    holds[rank][g].append(flag)
-            choice[(rank, position)] = flags
-    for rank, mine in enumerate(computes):
-        for j in range(len(mine)):
-            # the host posts the batch before compute j, then spends `post` on each of its sends
-            before = end(rank, j - 1) if j else 0
-            model.add(start[rank][j] >= before + post * sum(holds[rank][j]))
-            model.add_hint(start[rank][j], round(timed[rank][mine[j]] * scale))
-        last = len(mine) - 1
-        model.add(makespan >= (end(rank, last) if last >= 0 else 0) + post * sum(holds[rank][last + 1]))
-    for ident, sender in sends.items():
-        receiver = receives[ident]
-        done = model.new_int_var(0, horizon, f"m{ident}")
+class _Batches:
+    """The placement model of one compute order (`_placement_solve`), in integer time units: per rank its
+    computes' starts, per gap between them the start and completion of the batch posted there, per send/recv a
+    Boolean per gap it may sit in (`place`), and the makespan, minimised."""
+
+    def __init__(
+        self,
+        program: Program,
+        costs: Costs,
+        computes: list[list[Action]],
+        comms: list[list[tuple[int, int, Action]]],
+        horizon: float,
+    ) -> None:
+        from ortools.sat.python import cp_model
+
+        self.program, self.computes, self.comms = program, computes, comms
+        table = costs.per_stage(program.num_stages)
+        exact = {kind: [Fraction(str(x)) for x in table[kind]] for kind in (Kind.F, Kind.B, Kind.I, Kind.W)}
+        message = Fraction(str(costs.message_time))
+        scale = math.lcm(message.denominator, *(d.denominator for row in exact.values() for d in row))
+        self.delay = int(message * scale)
+        self.post = 0 if costs.overlap else self.delay
+        self.index_of = [{op: j for j, op in enumerate(mine)} for mine in computes]
+        self.horizon = top = math.ceil(horizon * scale) + 1
+        self.model = model = cp_model.CpModel()
+        self.start = [[model.new_int_var(0, top, f"c{r}_{j}") for j in range(len(m))] for r, m in enumerate(computes)]
+        self.dur = [[int(exact[op.kind][op.stage] * scale) for op in mine] for mine in computes]
+        self.gaps = gaps = [len(mine) + 1 for mine in computes]
+        self.begins = [[model.new_int_var(0, top, f"b{r}_{g}") for g in range(n)] for r, n in enumerate(gaps)]
+        self.completes = [[model.new_int_var(0, top, f"d{r}_{g}") for g in range(n)] for r, n in enumerate(gaps)]
+        self.makespan = model.new_int_var(0, top, "makespan")
+        self.choice: dict[tuple[int, int], dict[int, object]] = {}
+        for rank, n in enumerate(gaps):
+            for g in range(n):
+                # a batch is posted when the host reaches its gap and starts when its predecessor completed
+                if g:
+                    model.add(self.begins[rank][g] >= self.end(rank, g - 1))
+                    model.add(self.begins[rank][g] >= self.completes[rank][g - 1])
+                model.add(self.completes[rank][g] >= self.begins[rank][g])
+            model.add(self.makespan >= self.completes[rank][n - 1])
+        model.minimize(self.makespan)
+
+    def end(self, rank: int, j: int):
+        return self.start[rank][j] + self.dur[rank][j]
+
+    def place(self, window: int) -> None:
+        """Each send/recv in one gap of its window (after its producer, by its consumer); the hosts, the pairs
+        and the channels' order."""
+        n_mb = self.program.microbatches
+        sends: dict[int, tuple[int, int]] = {}
+        receives: dict[int, tuple[int, int]] = {}
+        holds: list[list[list]] = [[[] for _ in range(n)] for n in self.gaps]
+        for rank, mine in enumerate(self.comms):
+            for gap, position, op in mine:
+                is_send = op.kind in (Kind.SEND_F, Kind.SEND_B)
+                if is_send:
+                    producer = next(p for p in producers(op) if p in self.index_of[rank])
+                    low, high = self.index_of[rank][producer] + 1, self.gaps[rank] - 1
+                    sends[message_id(op, n_mb)] = (rank, position)
+                else:
+                    low, high = 0, self._consumer(rank, op)
+                    receives[message_id(op, n_mb)] = (rank, position)
+                options = range(max(low, gap - window), min(high, gap + window) + 1)
+                flags = {g: self.model.new_bool_var(f"g{rank}_{position}_{g}") for g in options}
+                self.model.add_exactly_one(flags.values())
+                for g, flag in flags.items():
+                    if is_send:
+                        holds[rank][g].append(flag)
+                self.choice[(rank, position)] = flags
+        self._hosts(holds)
+        for ident, sender in sends.items():
+            self._pair(sender, receives[ident], ident)
+        self._channels(sends, receives)
+
+    def _consumer(self, rank: int, receive: Action) -> int:
+        return self.index_of[rank][next(c for c in consumers(receive) if c in self.index_of[rank])]
+
+    def _hosts(self, holds: list[list[list]]) -> None:
+        """A compute starts after the one before it and the post holds of the sends in the gap between."""
+        model = self.model
+        for rank, mine in enumerate(self.computes):
+            for j in range(len(mine)):
+                before = self.end(rank, j - 1) if j else 0
+                model.add(self.start[rank][j] >= before + self.post * sum(holds[rank][j]))
+            last = len(mine) - 1
+            tail = self.end(rank, last) if last >= 0 else 0
+            model.add(self.makespan >= tail + self.post * sum(holds[rank][last + 1]))
+
+    def _pair(self, sender: tuple[int, int], receiver: tuple[int, int], ident: int) -> None:
+        """A pair completes message_time after both its batches started, each batch after it, and the consumer
+        starts after the whole batch holding its receive."""
+        model = self.model
+        done = model.new_int_var(0, self.horizon, f"m{ident}")
         for rank, position in (sender, receiver):
-            for g, flag in choice[(rank, position)].items():
-                # the pair completes message_time after both batches started; its batch completes after it
-                model.add(done >= begins[rank][g] + delay).only_enforce_if(flag)
-                model.add(completes[rank][g] >= done).only_enforce_if(flag)
+            for g, flag in self.choice[(rank, position)].items():
+                model.add(done >= self.begins[rank][g] + self.delay).only_enforce_if(flag)
+                model.add(self.completes[rank][g] >= done).only_enforce_if(flag)
         rank, position = receiver
-        receive = program.streams[rank][position]
-        consumer = index_of[rank][next(c for c in consumers(receive) if c in index_of[rank])]
-        for g, flag in choice[receiver].items():
-            model.add(start[rank][consumer] >= completes[rank][g]).only_enforce_if(flag)  # the whole batch
-    # a channel's messages keep their order on both sides (the k-th send meets the k-th receive)
-    channels: dict[tuple[int, int], list[int]] = {}
-    for rank, mine in enumerate(comms):
-        for _, _, op in mine:
-            if op.kind in (Kind.SEND_F, Kind.SEND_B):
-                peer = where[counterpart(op).stage]
-                channels.setdefault((rank, peer), []).append(message_id(op, n_mb))
-    for chain in channels.values():
-        for earlier, later in pairwise(chain):
-            for side in (sends, receives):
-                model.add(_gap_of(choice[side[earlier]]) <= _gap_of(choice[side[later]]))
-    model.minimize(makespan)
-    # a complete hint: the model with every send/recv where `program` has it, solved (propagation alone)
-    fixed = model.clone()
-    for (rank, position), flags in choice.items():
-        gap = next(gap for gap, pos, _ in comms[rank] if pos == position)
-        for g, flag in flags.items():
-            fixed.add(fixed.get_bool_var_from_proto_index(flag.index) == (g == gap))
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.05, seconds - (time.monotonic() - began))
-    solver.parameters.num_workers = 1
-    if solver.solve(fixed) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None
-    model.clear_hints()
-    for index in range(len(model.proto.variables)):
-        variable = model.get_int_var_from_proto_index(index)
-        model.add_hint(variable, solver.value(variable))
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.05, seconds - (time.monotonic() - began))
-    solver.parameters.num_workers = 1
-    if deterministic is not None:
-        solver.parameters.max_deterministic_time = deterministic
-    status = solver.solve(model)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None
-    streams = []
-    for rank, mine in enumerate(computes):
-        placed: list[tuple[tuple[int, int, int], Action]] = [((j, 1, 0), op) for j, op in enumerate(mine)]
-        for _, position, op in comms[rank]:
-            g = next(g for g, flag in choice[(rank, position)].items() if solver.boolean_value(flag))
-            placed.append(((g, 0, position), op))  # within a gap, the reference's order (each channel's)
-        streams.append(tuple(op for _, op in sorted(placed, key=lambda item: item[0])))
-    return program.with_streams(tuple(streams), has_comms=True)
+        consumer = self._consumer(rank, self.program.streams[rank][position])  # type: ignore[arg-type]
+        for g, flag in self.choice[receiver].items():
+            model.add(self.start[rank][consumer] >= self.completes[rank][g]).only_enforce_if(flag)
+
+    def _channels(self, sends: dict[int, tuple[int, int]], receives: dict[int, tuple[int, int]]) -> None:
+        """A channel's messages keep their order on both sides (the k-th send meets the k-th receive)."""
+        n_mb = self.program.microbatches
+        channels: dict[tuple[int, int], list[int]] = {}
+        for rank, mine in enumerate(self.comms):
+            for _, _, op in mine:
+                if op.kind in (Kind.SEND_F, Kind.SEND_B):
+                    peer = self.program.stage_to_rank[counterpart(op).stage]
+                    channels.setdefault((rank, peer), []).append(message_id(op, n_mb))
+        for chain in channels.values():
+            for earlier, later in pairwise(chain):
+                for side in (sends, receives):
+                    self.model.add(_gap_of(self.choice[side[earlier]]) <= _gap_of(self.choice[side[later]]))
 
 
 def _gap_of(flags: Mapping[int, object]):
@@ -371,4 +447,4 @@ def _is_comm(instruction: Instruction) -> bool:
     return type(instruction) is Action and instruction.kind.is_comm
 
 
-__all__ = ["PLACEMENT_WINDOWS", "ahead", "improve_placement", "nccl_score", "solve_placement"]
+__all__ = ["PLACEMENT_WINDOWS", "ahead", "improve_placement", "nccl_score", "place", "solve_placement"]

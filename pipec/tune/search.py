@@ -436,26 +436,10 @@ def _placed(
         return candidate, True
     costs = setting.stage_costs(candidate.chunks)
     orders = candidate.program.with_streams(candidate.program.compute_streams(), has_comms=False)
-    first = send_recv.ahead(orders, costs, timing)
-    if first is None:
+    placed = send_recv.place(orders, candidate.program, candidate.makespan, costs, deadline, timing, target, transfers)
+    if placed is None:
         return candidate, True
-    begin, fastest = candidate.program, candidate.makespan
-    for option in (first, None if transfers is None else send_recv.ahead(orders, costs, timing, transfers)):
-        # the moves start from the fastest placement: pipec's, receives by the sends' posts, or by the transfers
-        score = None if option is None else send_recv.nccl_score(option, costs)
-        if score is not None and score[0] < fastest - _EPSILON:
-            begin, fastest = option, score[0]
-    # a solver order (`target`, so OR-tools is there) keeps half the time for the placement solve
-    moves_until = deadline if target is None else time.monotonic() + max(0.0, deadline - time.monotonic()) / 2
-    better, finished = send_recv.improve_placement(begin, costs, moves_until)
-    reached = send_recv.nccl_score(better, costs)
-    if target is not None and reached is not None and reached[0] > target + _EPSILON:
-        # the moves stop where no single one helps; the solve looks at every placement near that one at once
-        left = max(0.0, deadline - time.monotonic())
-        solved = send_recv.solve_placement(better, costs, left, target=target)
-        score = None if solved is None else send_recv.nccl_score(solved, costs)
-        if score is not None and score < reached:
-            better = solved
+    better, finished = placed
     trial = evaluate(
         candidate.name,
         candidate.params,

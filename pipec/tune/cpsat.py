@@ -43,6 +43,9 @@ What is exact and what is relaxed: the model is pipec's `ideal` p2p model (with 
 runs a rank's batches in order). So the solver's bound is a lower bound on the nccl makespan of every schedule of
 that V and placement; at `comm = 0` it is the ideal model's optimum and nccl reaches it when the send/recv
 placement adds no wait; with messages it is the bound of a relaxation (free batching of sends and receives).
+An `executed` solve restricts it towards nccl to find orders, never a bound (`_transfers`): each message moves
+on an interval of message_time that a rank's other messages do not overlap (nccl runs a rank's batches in order
+on one stream); tune tries it at V=1 for an optimal order nccl runs slower than the model.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ KINDS = (Kind.F, Kind.I, Kind.W)
 _F, _I, _W = 0, 1, 2
 MODEL_IDEAL = "ideal"  # messages take message_time between producer and consumer, nothing else
 MODEL_POSTED = "posted sends"  # and the sender's rank spends message_time posting each send (overlap=0)
+EXECUTED_SERIAL = "serial"  # `executed` solves: a rank moves one message at a time, sent or received
+EXECUTED_DUPLEX = "duplex"  # one sent and one received at a time (a batch runs a send and a receive together)
 WINDOW = 16  # the most Booleans per forward in the counted memory cut (_counted)
 WORKERS = 1  # CP-SAT's default here: one worker is deterministic (the same input, the same orders); more are not
 
@@ -80,6 +85,8 @@ class SolverResult:
     # goes to another rank, when its send is posted (the producer's end without posting costs); the send/recv
     # placement follows it (pipec.tune.placement)
     timing: Mapping[Action, tuple[float, float | None]] | None = None
+    # an `executed` solve's transfers: per op whose output goes to another rank, when its message starts moving
+    transfers: Mapping[Action, float] | None = None
 
 
 def available() -> str | None:
@@ -243,6 +250,49 @@ class _Instance:
                         continue
                     break
         return start if len(start) == len(end) == self.stages * 3 * self.n_mb else None
+
+
+def _timing(inst: _Instance, solver, start: dict, posts: dict) -> dict[Action, tuple[float, float | None]]:
+    """SolverResult.timing of a solve: per op its start and, for an op whose output goes to another rank, when
+    its send is posted (its post's start, or the producer's end without posting costs)."""
+    timing: dict[Action, tuple[float, float | None]] = {}
+    for op in inst.ops():
+        s, k, m = op
+        at = solver.value(start[op])
+        if not inst.sends(op):
+            sent = None
+        elif op in posts:
+            sent = solver.value(posts[op]) / inst.scale
+        else:
+            sent = (at + inst.dur[s][k]) / inst.scale
+        timing[Action(s, KINDS[k], m)] = (at / inst.scale, sent)
+    return timing
+
+
+def _transfers(model, inst: _Instance, ready: dict, horizon: int, how: str) -> dict[tuple[int, int, int], object]:
+    """The `executed` restriction: each message moves for `message_time` on its own interval, from when it is
+    ready to go (its post, or its producer's end) to its consumer's earliest start (`ready` is rewired to its
+    end), and a rank moves one message at a time, sending or receiving (a no-overlap per rank over the messages
+    it sends and receives). nccl runs a rank's batches in order on one stream and a pair moves only when both
+    sides' batches run; the relaxation lets every message move at once. Returns each sender's transfer start."""
+    moving = {}
+    per_rank: list[list] = [[] for _ in range(inst.ranks * 2)]
+    duplex = inst.ranks if how == EXECUTED_DUPLEX else 0  # where a rank's receives go: apart from its sends
+    for op, at in list(ready.items()):
+        if not inst.sends(op):
+            continue
+        s, k, _ = op
+        go = model.new_int_var(0, horizon, f"t{op}")
+        model.add(go >= at - inst.delay)
+        interval = model.new_fixed_size_interval_var(go, inst.delay, f"x{op}")
+        target = s + 1 if k == _F else s - 1
+        per_rank[inst.where[s]].append(interval)
+        per_rank[duplex + inst.where[target]].append(interval)
+        ready[op] = go + inst.delay
+        moving[op] = go
+    for intervals in per_rank:
+        model.add_no_overlap(intervals)
+    return moving
 
 
 def _memory(model, inst: _Instance, start: dict, makespan, orders: list[tuple]) -> list[tuple]:
@@ -427,6 +477,7 @@ def solve(
     cutoff: float | None = None,
     hint_timing: Mapping[Action, tuple[float, float | None]] | None = None,
     clock: Clock | None = None,
+    executed: str | None = None,
 ) -> SolverResult:
     """The least-makespan compute orders for `template`'s P, M, V and placement (module docstring), within
     `seconds` of the budget. `hint`: per-rank compute orders to start from (the best tune has). `workers`:
@@ -439,7 +490,9 @@ def solve(
     could win is cut; a solve with no order within it proves the bound `cutoff` plus one unit (a result without
     orders, `optimal` true: the bound is proved; `infeasible` stays for the memory limit's own). `hint_timing`:
     a solve's own timing (SolverResult.timing) to start from instead, for `late` (`_hinted_times` says why).
-    `clock`: the budget's (pipec.tune.clock), charged for the model built and solved, the same idle or loaded."""
+    `clock`: the budget's (pipec.tune.clock), charged for the model built and solved, the same idle or loaded.
+    `executed`: the model restricted towards nccl's, to find orders nccl runs as timed (`_transfers`); its bound
+    is of that restriction, never of every schedule, so the result has none."""
     from ortools.sat.python import cp_model
 
     clock = clock or Clock()
@@ -471,6 +524,7 @@ def solve(
             ready[op] = posted + inst.delay
         else:
             ready[op] = end + (inst.delay if inst.sends(op) else 0)
+    moving = _transfers(model, inst, ready, horizon, executed) if executed and inst.delay > 0 else {}
     for op in ops:
         for p in inst.inputs(*op):
             model.add(start[op] >= (ready[p] if inst.crosses(p, op) else start[p] + inst.dur[p[0]][p[1]]))
@@ -505,6 +559,8 @@ def solve(
     solver.parameters.num_workers = workers
     solver.parameters.random_seed = seed
     status, took = clock.run_solver(solver, model, seconds, BUILD_SECONDS_PER_OP * compute_ops(template))
+    if executed and status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):  # a restriction proves nothing
+        return SolverResult(None, None, None, False, False, inst.model, took)
     if status == cp_model.INFEASIBLE and late is None:
         if limit_units is not None:  # no order within the cutoff: every one is slower in the model
             beyond = max(limit_units + 1, inst.cheap_bound()) / inst.scale
@@ -520,20 +576,11 @@ def solve(
         mine = sorted((solver.value(start[op]), op) for op in ops if inst.where[op[0]] == rank)
         streams.append(tuple(Action(s, KINDS[k], m) for _, (s, k, m) in mine))
     orders = replace(template, streams=tuple(streams), has_comms=False)
-    timing: dict[Action, tuple[float, float | None]] = {}
-    for op in ops:
-        s, k, m = op
-        at = solver.value(start[op])
-        if not inst.sends(op):
-            sent = None
-        elif op in posts:
-            sent = solver.value(posts[op]) / inst.scale
-        else:
-            sent = (at + inst.dur[s][k]) / inst.scale
-        timing[Action(s, KINDS[k], m)] = (at / inst.scale, sent)
-    if late is not None:
+    timing = _timing(inst, solver, start, posts)
+    transfers = {Action(s, KINDS[k], m): solver.value(at) / inst.scale for (s, k, m), at in moving.items()}
+    if late is not None or executed:
         value = solver.value(makespan) / inst.scale
-        return SolverResult(orders, value, None, False, False, inst.model, took, timing)
+        return SolverResult(orders, value, None, False, False, inst.model, took, timing, transfers or None)
     value = solver.objective_value / inst.scale
     return SolverResult(orders, value, bound, status == cp_model.OPTIMAL, False, inst.model, took, timing)
 

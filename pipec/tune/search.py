@@ -371,15 +371,44 @@ def _closer(
     workers: int,
 ) -> tuple[Candidate, bool]:
     """A solver order that runs slower under nccl than in the model (`found.makespan`), brought closer: first its
-    send/recv placed from the solver's timing (pipec.tune.placement); then, while the best is still slower, the same
+    send/recv placed from the solver's timing (pipec.tune.placement), in half the time; then, while the best is
+    still slower, at V=1 with messages an order of the `executed` restriction (half what is left), and the same
     makespan with every op as late as it allows (cpsat.solve's `late`) under LATE_SEEDS seeds, each placed the same
     way: each seed gives other optimal orders, and which of them nccl's batches leave at the model's makespan is
     found by trying (measured at P=4, M=8, X=8, I=2F, comm=0.5: two of four seeds reach 43, the others 43.5 to 44.5).
     Returns the best and whether every placement ran its moves to the end."""
     assert found.orders is not None and found.makespan is not None
     v = found.orders.chunks
-    first = clock.after(clock.left(deadline) / (LATE_SEEDS + 1))
-    best, finished = _placed(candidate, setting, clock, first, found.timing)
+    serial = v == 1 and setting.costs.message_time > 0  # an `executed` solve is tried (below)
+    # the solver's own order first, with half the time: its placement solve ends when it has proved its best
+    # (measured at P=4, M=8, X=4, V=2, comm=0.5: 50.5 in 4 s of the solve; a fifth of the time, under load, 52)
+    first = clock.after(clock.left(deadline) / 2)
+    best, finished = _placed(candidate, setting, clock, first, found.timing, found.makespan)
+    if serial and best.makespan > found.makespan + _EPSILON and not clock.passed(deadline):  # type: ignore[operator]
+        # orders timed with each rank moving one message at a time, as nccl's one stream does (measured at V=1:
+        # they reach the model's makespan where the relaxation's optimal orders lose half a unit with any
+        # placement; at V=2 the restriction costs more than it saves)
+        until = clock.after(clock.left(deadline) / 2)  # the other half: the `late` seeds
+        executed = cpsat.solve(
+            template,
+            setting.stage_costs(v),
+            setting.limit,
+            setting.costs.input_fraction,
+            setting.stage_sizes(v),
+            clock.left(until) / 2,
+            found.orders.streams,
+            seed,
+            workers,
+            cutoff=best.makespan,
+            hint_timing=found.timing,
+            clock=clock,
+            executed=cpsat.EXECUTED_SERIAL,
+        )
+        if executed.orders is not None:
+            option = evaluate(candidate.name, (), executed.orders, setting, clock=clock, phase=4, bound=found.bound)
+            placed, done = _placed(option, setting, clock, until, executed.timing, found.makespan, executed.transfers)
+            finished = finished and done
+            best = min((c for c in (best, option, placed) if c.ok), key=Candidate.key, default=best)
     for index in range(LATE_SEEDS):
         if best.makespan <= found.makespan + _EPSILON or clock.passed(deadline):  # type: ignore[operator]
             break
@@ -402,7 +431,7 @@ def _closer(
             continue
         option = evaluate(candidate.name, (), later.orders, setting, clock=clock, phase=4, bound=found.bound)
         until = clock.after(clock.left(deadline) / (LATE_SEEDS - index))
-        placed, done = _placed(option, setting, clock, until, later.timing)
+        placed, done = _placed(option, setting, clock, until, later.timing, found.makespan)
         finished = finished and done
         best = min((c for c in (best, option, placed) if c.ok), key=Candidate.key, default=best)
     return best, finished
@@ -414,10 +443,14 @@ def _placed(
     clock: Clock,
     deadline: float,
     timing: Mapping[Action, tuple[float, float | None]] | None = None,
+    target: float | None = None,
+    transfers: Mapping[Action, float] | None = None,
 ) -> tuple[Candidate, bool]:
     """The candidate with its send/recv placed by pipec.tune.placement (from `timing`, the solver's, or the
-    earliest; receives posted ahead, then local moves of single sends and receives) when that verifies and runs
-    faster under nccl, else the candidate itself; and whether the placement's moves ended before `deadline`."""
+    earliest; receives posted ahead, then local moves of single sends and receives; for a solver order, while it
+    runs slower than `target`, its makespan in the model, then the placement solve around the best) when that
+    verifies and runs faster under nccl, else the candidate itself; and whether the placement's moves ended
+    before `deadline`."""
     if not candidate.ok or candidate.program is None or candidate.makespan is None:
         return candidate, True
     if candidate.program.pipelines > 1:
@@ -426,13 +459,12 @@ def _placed(
         return candidate, True
     costs = setting.stage_costs(candidate.chunks)
     orders = candidate.program.with_streams(candidate.program.compute_streams(), has_comms=False)
-    first = send_recv.ahead(orders, costs, timing)
-    if first is None:
+    placed = send_recv.place(
+        orders, candidate.program, candidate.makespan, costs, clock, deadline, timing, target, transfers
+    )
+    if placed is None:
         return candidate, True
-    # the moves start from the faster of the two placements
-    score = send_recv.nccl_score(first, costs)
-    begin = first if score is not None and score[0] < candidate.makespan - _EPSILON else candidate.program
-    better, finished = send_recv.improve_placement(begin, costs, clock, deadline)
+    better, finished = placed
     trial = evaluate(
         candidate.name,
         candidate.params,

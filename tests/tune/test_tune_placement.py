@@ -8,17 +8,19 @@ literal list whose send/recv are wrong is an invalid schedule (exit 1), not a tr
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 from cli_capture import run_main
 
 from pipec.compiler import place_p2p
-from pipec.ir import Program, loop_placement
-from pipec.sim.costs import parse_costs
+from pipec.ir import Action, Program, loop_placement
+from pipec.sim.costs import Costs, parse_costs
 from pipec.sim.simulate import simulate
 from pipec.tune import Setting, cpsat
-from pipec.tune.placement import ahead
+from pipec.tune.clock import Clock
+from pipec.tune.placement import ahead, improve_placement, solve_placement
 from pipec.verify import verify
 
 pytestmark = pytest.mark.skipif(cpsat.available() is not None, reason="OR-tools is not installed")
@@ -75,3 +77,80 @@ def test_tunes_file_lists_its_placement_and_check_and_simulate_reproduce_it(tmp_
     code, shown, err = run_main(["check", str(broken), "--per-rank-share", "--cost", cost, "--memory-limit", "2"])
     assert code == 1, shown + err
     assert "Traceback" not in shown + err
+
+
+def _moves_placement(
+    found: cpsat.SolverResult, costs: Costs, transfers: Mapping[Action, float] | None = None
+) -> Program:
+    """The placement before the placement solve: pipec's or the receives posted ahead, then the local moves."""
+    assert found.orders is not None
+    options = [place_p2p(found.orders, costs), ahead(found.orders, costs, found.timing)]
+    if transfers is not None:
+        options.append(ahead(found.orders, costs, found.timing, transfers))
+    start = min((p for p in options if p is not None), key=lambda p: simulate(p, costs, p2p="nccl").makespan)
+    clock = Clock()
+    placed, finished = improve_placement(start, costs, clock, clock.after(30))
+    assert finished
+    return placed
+
+
+def test_the_placement_solve_reaches_the_makespan_where_the_moves_stop() -> None:
+    # P=2, M=4, V=2 (loop), limit 2, I=2F, comm=0.5: the solver's optimal order takes 23 in the model; no single
+    # move of a send or receive brings nccl to 23 (a compute waits for its whole batch), the CP-SAT model of
+    # nccl's batches finds a placement at 23
+    setting = Setting(2, 4, parse_costs("F=1,I=2,W=1,comm=0.5"), 2, (2,))
+    costs = setting.stage_costs(2)
+    template = Program("t", 2, 4, 2, loop_placement(2, 4), ((),) * 2)
+    found = cpsat.solve(template, costs, 2, costs.input_fraction, setting.stage_sizes(2), 10)
+    assert found.optimal and found.makespan == 23
+    moved = _moves_placement(found, costs)
+    assert simulate(moved, costs, p2p="nccl").makespan > 23  # measured 23.5 and 24 (for other optimal orders)
+    solved = solve_placement(moved, costs, Clock(), 10)
+    assert solved is not None and solved.compute_streams() == moved.compute_streams()
+    assert all(v.ok for v in verify(solved, "nccl", 2, costs.input_fraction, setting.stage_sizes(2)).verdicts)
+    assert simulate(solved, costs, p2p="nccl").makespan == 23
+
+
+def test_orders_timed_with_one_message_at_a_time_run_at_the_models_makespan() -> None:
+    # P=3, M=6, V=1, limit 3, F=I=W=1, comm=0.5: the relaxation's optimal order (25.5 in the model) runs at 26
+    # under nccl with every placement the moves and the placement solve try; the `executed` restriction (each
+    # rank moves one message at a time, as nccl's one stream does) finds an order of 25.5 that nccl runs at 25.5
+    setting = Setting(3, 6, parse_costs("F=1,I=1,W=1,comm=0.5"), 3, (1,))
+    costs = setting.stage_costs(1)
+    template = Program("t", 3, 6, 1, loop_placement(3, 3), ((),) * 3)
+    sizes = setting.stage_sizes(1)
+    # which optimal order a solve returns depends on its seed and the model's cuts: the first of the seeds whose
+    # order loses under nccl (measured: seed 0 before the cut of the posts' order; seeds 2 and 3 after it)
+    for seed in range(4):
+        found = cpsat.solve(template, costs, 3, costs.input_fraction, sizes, 10, seed=seed)
+        assert found.optimal and found.makespan == 25.5
+        relaxed = _moves_placement(found, costs)
+        relaxed = solve_placement(relaxed, costs, Clock(), 10) or relaxed
+        if simulate(relaxed, costs, p2p="nccl").makespan == 26:
+            break
+    else:
+        pytest.fail("every seed's optimal order reaches the model's makespan: the case no longer shows the loss")
+    executed = cpsat.solve(
+        template, costs, 3, costs.input_fraction, sizes, 10, found.orders.streams, executed=cpsat.EXECUTED_SERIAL
+    )
+    assert executed.makespan == 25.5 and executed.bound is None  # a restriction: it bounds nothing
+    placed = _moves_placement(executed, costs, executed.transfers)
+    assert all(v.ok for v in verify(placed, "nccl", 3, costs.input_fraction, sizes).verdicts)
+    assert simulate(placed, costs, p2p="nccl").makespan == 25.5
+
+
+def test_tune_writes_a_schedule_that_runs_at_the_models_optimum_under_nccl(tmp_path: Path) -> None:
+    # the setting of the test above through `pipec tune`: before the executed orders it wrote 26 within 2.0% of
+    # the bound 25.5; the file re-checks and simulates at 25.5
+    out = tmp_path / "best.pipe"
+    cost = "F=1,I=1,W=1,comm=0.5"
+    argv = ["tune", "-P", "3", "-M", "6", "--cost", cost, "--memory-limit", "3", "--chunks", "1"]
+    code, text, err = run_main([*argv, "--time-budget", "10", "-o", str(out)], tmp_path)
+    assert code == 0, err
+    assert "proved optimal: no schedule of V=1 (placements loop) is faster than 25.5" in text
+    assert "this schedule reaches it under nccl" in text
+    code, checked, err = run_main(["check", str(out), "--per-rank-share", "--cost", cost, "--memory-limit", "3"])
+    assert code == 0, checked + err
+    code, simulated, err = run_main(["simulate", str(out), "--per-rank-share", "--cost", cost])
+    assert code == 0, err
+    assert "makespan 25.5 " in simulated

@@ -50,13 +50,14 @@ from fractions import Fraction
 from pipec.errors import PipecInputError
 from pipec.ir import MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas
 from pipec.sim.costs import Costs
-from pipec.tune.clock import BUILD_SECONDS_PER_OP, Clock, compute_ops
+from pipec.tune.clock import Clock, compute_ops
 
 KINDS = (Kind.F, Kind.I, Kind.W)
 _F, _I, _W = 0, 1, 2
 MODEL_IDEAL = "ideal"  # messages take message_time between producer and consumer, nothing else
 MODEL_POSTED = "posted sends"  # and the sender's rank spends message_time posting each send (overlap=0)
 WINDOW = 16  # the most Booleans per forward in the counted memory cut (_counted)
+PROBING_MAX_OPS = 600  # the largest model (3·P·M·V ops) whose presolve probes (_solver says why)
 WORKERS = 1  # CP-SAT's default here: one worker is deterministic (the same input, the same orders); more are not
 
 
@@ -408,6 +409,23 @@ def model_times(orders: Program, costs: Costs) -> dict[Action, tuple[float, floa
     }
 
 
+def _solver(cp_model, ops: int, workers: int, seed: int):
+    """A CP-SAT solver for a model of `ops` ops: `workers` threads, `seed`; probing in presolve only up to
+    PROBING_MAX_OPS. Above it probing costs CPU time that CP-SAT's deterministic time hardly counts, so a solve
+    limited by it ran out its wall-clock cap in presolve and returned no order, not even its hint (measured at
+    P=8, M=24, X=4, I=2F, V=2 placement v, warm-started from v_min at 146.5 in the model: probing 17.5 s for 0.57
+    deterministic units; without it the hint is the first solution at once, and 6 s of budget give 146.5 and the
+    bound 103 at 0.53 units a CPU second; P=8, M=16, X=8, I=2F, comm=0.5, V=2 placement v, 768 ops: no order in 8 s
+    with probing, 0.44 units for 7 CPU seconds; without it the hint's 107.5 at 0.72 units a CPU second). At P=8,
+    M=24, V=1 (576 ops) probing pays: 170 proved in 8.7 units with it, 14.9 without, for the same CPU time."""
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = workers
+    solver.parameters.random_seed = seed
+    if ops > PROBING_MAX_OPS:
+        solver.parameters.cp_model_probing_level = 0
+    return solver
+
+
 def solve(
     template: Program,
     costs: Costs,
@@ -493,10 +511,8 @@ def solve(
         model.maximize(sum(start.values()))
     if hint is not None or hint_timing is not None:
         _hint(model, inst, hint, hint_timing, limit_units, start, posts, lengths, befores, makespan)
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = workers
-    solver.parameters.random_seed = seed
-    status, took = clock.run_solver(solver, model, seconds, BUILD_SECONDS_PER_OP * compute_ops(template))
+    solver = _solver(cp_model, compute_ops(template), workers, seed)
+    status, took = clock.run_solver(solver, model, seconds, compute_ops(template))
     if status == cp_model.INFEASIBLE and late is None:
         if limit_units is not None:  # no order within the cutoff: every one is slower in the model
             beyond = max(limit_units + 1, inst.cheap_bound()) / inst.scale

@@ -29,7 +29,7 @@ from pipec.ir import Action, Instruction, Kind, Program
 from pipec.p2p_rule import counterpart, message_id, send_for
 from pipec.sim.costs import Costs
 from pipec.sim.simulate import simulate
-from pipec.tune.clock import PLACEMENT_SECONDS_PER_OP, Clock, compute_ops
+from pipec.tune.clock import PLACEMENT_SECONDS_PER_OP, Clock, simulation_seconds
 from pipec.tune.cpsat import model_times
 
 _EPSILON = 1e-9
@@ -140,7 +140,7 @@ def improve_placement(program: Program, costs: Costs, clock: Clock, deadline: fl
     helps or `clock` passes `deadline`. Returns the placed program and whether no move helps (False:
     the deadline stopped it)."""
     best = nccl_score(program, costs)
-    each = PLACEMENT_SECONDS_PER_OP * compute_ops(program)  # the clock's charge for one score
+    each = simulation_seconds(PLACEMENT_SECONDS_PER_OP, program)  # the clock's charge for one score
     clock.charge(each)
     if best is None:
         return program, True

@@ -48,7 +48,7 @@ from pipec.tune.candidates import (
     evaluate,
     proves_optimal,
 )
-from pipec.tune.clock import LIST_SECONDS_PER_OP, SCORE_SECONDS_PER_OP, Clock, compute_ops
+from pipec.tune.clock import LIST_SECONDS_PER_OP, SCORE_SECONDS_PER_OP, Clock, simulation_seconds
 from pipec.tune.exact import ExactResult, exact_candidates
 from pipec.tune.greedy import listed_orders
 from pipec.tune.setting import Setting
@@ -525,7 +525,7 @@ def improve(
     streams = [list(s) for s in orders.streams]
     best, moves = start, 0
     # None when only the default placement runs this order (place_p2p chose it): any trial that runs is progress
-    each = SCORE_SECONDS_PER_OP * compute_ops(orders)  # the clock's charge for one score
+    each = simulation_seconds(SCORE_SECONDS_PER_OP, orders)  # the clock's charge for one score
     clock.charge(each)
     current = _quick_score(orders, costs) or (start.makespan, math.inf)
     while True:

@@ -13,7 +13,7 @@ from pipec.errors import PipecError
 from pipec.ir import Program
 from pipec.passes.sync import copy_orders
 from pipec.sim.simulate import simulate
-from pipec.tune.clock import EVALUATE_SECONDS_PER_OP, Clock, compute_ops
+from pipec.tune.clock import EVALUATE_SECONDS_PER_OP, Clock, simulation_seconds
 from pipec.tune.setting import Setting
 from pipec.verify import verify
 
@@ -118,7 +118,7 @@ def evaluate(
     if orders.num_stages != orders.ranks * v:
         return replace(base, reason=f"{orders.num_stages} stages, not P*V = {orders.ranks * v}")
     if clock is not None:
-        clock.charge(EVALUATE_SECONDS_PER_OP * compute_ops(orders))
+        clock.charge(simulation_seconds(EVALUATE_SECONDS_PER_OP, orders))
     try:
         costs = setting.stage_costs(v, orders.pipelines)
         sizes = setting.stage_sizes(v, orders.pipelines)

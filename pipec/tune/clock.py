@@ -34,13 +34,18 @@ WALL_CAP = 3.0  # the command ends by this many times its budget in wall time, h
 CPU_CAP = 2.0  # and by this many times in CPU time, however far the charges are from what the work cost
 # Costs per compute op (3·P·M·V of them) of what tune's phases charge, measured on this project's 2-core machine
 # idle (time.process_time over repeated runs of library and list-scheduled orders at P=4 M=8 V=2, P=8 M=24 V=1
-# and V=2, P=16 M=64 V=2; the range is over those sizes, the constant near its top: the large sizes are the
-# ones a budget cuts):
+# and V=2, P=16 M=64 V=2; the range is over those sizes):
 LIST_SECONDS_PER_OP = 100e-6  # one list-scheduled order (phase 2, or a library `choose` schedule): 49 to 105 us
-EVALUATE_SECONDS_PER_OP = 25e-6  # one candidate placed, verified and simulated (candidates.evaluate): 13 to 38 us
-SCORE_SECONDS_PER_OP = 12e-6  # one local move scored (search._quick_score: placed and simulated): 8 to 18 us
-PLACEMENT_SECONDS_PER_OP = 6e-6  # one send/recv placement scored (placement.nccl_score): 4.4 to 7.5 us
+# a simulation's cost per op grows with the program (8 us an op at 576 and 1152 ops, 18 at 6144, for a local
+# move's score): these three are at small sizes, times 1 + ops / GROWTH_OPS (`simulation_seconds`)
+EVALUATE_SECONDS_PER_OP = 18e-6  # one candidate placed, verified and simulated (candidates.evaluate): 13 to 38 us
+SCORE_SECONDS_PER_OP = 8e-6  # one local move scored (search._quick_score: placed and simulated): 8 to 18 us
+PLACEMENT_SECONDS_PER_OP = 4.5e-6  # one send/recv placement scored (placement.nccl_score): 4.4 to 7.3 us
+GROWTH_OPS = 5000
 BUILD_SECONDS_PER_OP = 80e-6  # building one CP-SAT model (cpsat.solve before the solver runs): 53 to 83 us
+# and CP-SAT's loading and presolve of it, which its deterministic time hardly counts (0.02 units for 12.6 to 14.1
+# CPU seconds at P=16 M=64 V=2, 6144 ops; about 1.8 s at P=8 M=24 V=4, 2304 ops): about quadratic in the ops
+LOAD_SECONDS_PER_SQUARED_OP = 3e-7
 NODE_SECONDS = 20e-6  # one node of the branch and bound (exact.py), its leaves' simulations spread over them
 # CP-SAT's deterministic time per CPU second of its solve, here, one worker: 0.52 in tune's warm-started solve of
 # P=8 M=24 X=4 I=2F (proved in 3.7 units); cold solves of 2 to 15 s: 0.90 (that model), 0.89 (P=8 M=16 X=4 W=2F),
@@ -49,6 +54,17 @@ NODE_SECONDS = 20e-6  # one node of the branch and bound (exact.py), its leaves'
 # runs about s CPU seconds; one of a cold model without messages stops at about two thirds of them.
 DETERMINISTIC_PER_SECOND = 0.6
 SOLVER_FLOOR = 0.05  # the least solver time given, in seconds of the budget (CP-SAT rejects a limit of zero)
+
+
+def model_seconds(ops: int) -> float:
+    """What building a CP-SAT model of `ops` ops and CP-SAT's loading it cost, in seconds of the budget."""
+    return BUILD_SECONDS_PER_OP * ops + LOAD_SECONDS_PER_SQUARED_OP * ops * ops
+
+
+def simulation_seconds(seconds_per_op: float, program: Program) -> float:
+    """What one of the simulations above (its cost per op at small sizes) costs on `program`."""
+    ops = compute_ops(program)
+    return seconds_per_op * ops * (1 + ops / GROWTH_OPS)
 
 
 def compute_ops(program: Program) -> int:
@@ -103,12 +119,18 @@ class Clock:
         seconds = max(SOLVER_FLOOR, seconds)
         return seconds * DETERMINISTIC_PER_SECOND, seconds * self.wall_cap
 
-    def run_solver(self, solver, model, seconds: float, built: float) -> tuple[object, float]:
-        """Run a CP-SAT `solver` on `model` within `seconds` of the budget, `built` of them already spent on
-        building the model (a charge by its size): the limits of `solver_limits`, then the charges. Returns the
-        solver's status and the seconds of budget the model took, built and solved (deterministic)."""
+    def run_solver(self, solver, model, seconds: float, ops: int) -> tuple[object, float]:
+        """Run a CP-SAT `solver` on `model` of `ops` ops within `seconds` of the budget, charged for building and
+        loading it by its size (`model_seconds`), then the limits of `solver_limits` and the solve's charge. With
+        less time than the loading takes, the solver gets its least limits and stops while loading (measured at
+        P=16 M=64 V=2: 0.07 s of CPU), so only the build is charged. Returns the solver's status and the seconds of
+        budget the model took, built and solved (deterministic)."""
+        built = model_seconds(ops)
+        left = seconds - built
+        if left < 0:
+            built, left = BUILD_SECONDS_PER_OP * ops, 0.0
         self.charge(built)
-        deterministic, wall = self.solver_limits(seconds - built)
+        deterministic, wall = self.solver_limits(left)
         solver.parameters.max_deterministic_time = deterministic
         solver.parameters.max_time_in_seconds = wall
         status = solver.solve(model)
@@ -127,12 +149,16 @@ __all__ = [
     "CPU_CAP",
     "DETERMINISTIC_PER_SECOND",
     "EVALUATE_SECONDS_PER_OP",
+    "GROWTH_OPS",
     "LIST_SECONDS_PER_OP",
+    "LOAD_SECONDS_PER_SQUARED_OP",
     "NODE_SECONDS",
     "PLACEMENT_SECONDS_PER_OP",
     "SCORE_SECONDS_PER_OP",
     "WALL_CAP",
     "Clock",
     "compute_ops",
+    "model_seconds",
+    "simulation_seconds",
     "solver_seconds",
 ]

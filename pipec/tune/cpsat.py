@@ -55,18 +55,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
-from pipec.errors import PipecInputError
-from pipec.ir import MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas
+from pipec.ir import Action, Program
 from pipec.sim.costs import Costs
-from pipec.tune.clock import BUILD_SECONDS_PER_OP, Clock, compute_ops
+from pipec.tune.clock import Clock, compute_ops
+from pipec.tune.instance import _F, _I, _W, KINDS, MODEL_IDEAL, MODEL_POSTED, Instance
 
-KINDS = (Kind.F, Kind.I, Kind.W)
-_F, _I, _W = 0, 1, 2
-MODEL_IDEAL = "ideal"  # messages take message_time between producer and consumer, nothing else
-MODEL_POSTED = "posted sends"  # and the sender's rank spends message_time posting each send (overlap=0)
 EXECUTED_SERIAL = "serial"  # `executed` solves: a rank moves one message at a time, sent or received
 EXECUTED_DUPLEX = "duplex"  # one sent and one received at a time (a batch runs a send and a receive together)
 WINDOW = 16  # the most Booleans per forward in the counted memory cut (_counted)
+PROBING_MAX_OPS = 600  # the largest model (3·P·M·V ops) whose presolve probes (_solver says why)
 WORKERS = 1  # CP-SAT's default here: one worker is deterministic (the same input, the same orders); more are not
 
 
@@ -106,153 +103,7 @@ def refuses(costs: Costs, ranks: int) -> str | None:
     return None
 
 
-class _Instance:
-    """The numbers of one problem in integer units: durations, message time, memory deltas and limit."""
-
-    def __init__(
-        self,
-        template: Program,
-        costs: Costs,
-        limit: float | None,
-        input_fraction: float,
-        stage_sizes: Sequence[float] | None,
-    ) -> None:
-        if template.pipelines != 1:  # its chains (chain, chain_to) and counters run every micro-batch down one chain
-            raise PipecInputError("the CP-SAT model orders one pipeline; it has no routes for replicated copies")
-        self.template = template
-        self.ranks, self.n_mb = template.ranks, template.microbatches
-        self.where = template.stage_to_rank
-        self.stages = template.num_stages
-        table = costs.per_stage(self.stages)
-        exact = [[Fraction(str(table[k][s])) for k in KINDS] for s in range(self.stages)]
-        message = Fraction(str(costs.message_time))
-        self.scale = math.lcm(message.denominator, *(d.denominator for row in exact for d in row))
-        self.dur = [[int(d * self.scale) for d in row] for row in exact]
-        self.delay = int(message * self.scale)
-        self.model = MODEL_POSTED if self.delay > 0 and not costs.overlap else MODEL_IDEAL
-        sizes = [Fraction(1)] * self.stages if stage_sizes is None else [Fraction(str(x)) for x in stage_sizes]
-        deltas = activation_deltas(input_fraction)
-        change = [[Fraction(str(deltas[k])) * sizes[s] for k in KINDS] for s in range(self.stages)]
-        self.limit: int | None = None
-        bound = None if limit is None else Fraction(str(limit)) + Fraction(str(MEMORY_TOLERANCE))
-        self.memory_scale = math.lcm(*(c.denominator for row in change for c in row), 1)
-        if bound is not None:
-            self.memory_scale = math.lcm(self.memory_scale, Fraction(str(limit)).denominator)
-            self.limit = math.floor(bound * self.memory_scale)
-        self.change = [[int(c * self.memory_scale) for c in row] for row in change]
-
-    def chain(self, s: int, k: int) -> int:
-        """The least time from the start of F(s, m) to the start of its I (k = I) or W (k = W): the forward
-        through the later stages, the input gradients back, and the messages between ranks on the way (a post
-        holds its sender, not the message: the consumer may start message_time after the producer ends)."""
-        t = self.dur[s][_F]
-        for t_stage in range(s + 1, self.stages):  # forwards onwards
-            t += (self.delay if self.where[t_stage] != self.where[t_stage - 1] else 0) + self.dur[t_stage][_F]
-        for t_stage in range(self.stages - 2, s - 1, -1):  # input gradients back to stage s (its own I excluded)
-            cross = self.where[t_stage] != self.where[t_stage + 1]
-            t += self.dur[t_stage + 1][_I] + (self.delay if cross else 0)
-        return t + (self.dur[s][_I] if k == _W else 0)
-
-    def chain_to(self, s: int) -> int:
-        """The earliest start of F(s, m): the forwards of the stages before it and their messages."""
-        t = 0
-        for t_stage in range(1, s + 1):
-            cross = self.where[t_stage] != self.where[t_stage - 1]
-            t += self.dur[t_stage - 1][_F] + (self.delay if cross else 0)
-        return t
-
-    def rank_bound(self) -> int:
-        """The largest over ranks of its first forward's earliest start plus all its work (and posts)."""
-        post = self.delay if self.model == MODEL_POSTED else 0
-        best = 0
-        for rank in range(self.ranks):
-            mine = [op for op in self.ops() if self.where[op[0]] == rank]
-            if mine:
-                head = min(self.chain_to(s) for s, _, _ in mine)
-                work = sum(self.dur[s][k] + (post if self.sends((s, k, m)) else 0) for s, k, m in mine)
-                best = max(best, head + work)
-        return best
-
-    def memory_bound(self) -> int:
-        """The largest over ranks of what the memory limit alone implies (0 without a limit): each activation of
-        micro-batch m lives from its forward to its free for at least the chain of work between them
-        (`chain`), the rank holds at most the limit at a time, so its memory-time, M x the sum over its stages
-        of size x chain, fits under limit x the time from its first forward's earliest start to the end less its
-        last W (Little's law; the model's area cut, `_memory`, without solving)."""
-        if self.limit is None or self.limit <= 0:
-            return 0
-        best = 0
-        for rank in range(self.ranks):
-            mine = [s for s in range(self.stages) if self.where[s] == rank]
-            area = sum(
-                -self.change[s][k] * self.chain(s, k) * self.n_mb
-                for s in mine
-                for k in (_I, _W)
-                if self.change[s][k] < 0
-            )
-            first = min(self.chain_to(s) for s in mine)
-            last = min(self.dur[s][_W] for s in mine)
-            best = max(best, first + last + math.ceil(area / self.limit))
-        return best
-
-    def cheap_bound(self) -> int:
-        """A lower bound without solving: the per-rank one or the memory one, whichever is larger."""
-        return max(self.rank_bound(), self.memory_bound())
-
-    def ops(self) -> list[tuple[int, int, int]]:
-        return [(s, k, m) for s in range(self.stages) for k in range(3) for m in range(self.n_mb)]
-
-    def inputs(self, s: int, k: int, m: int) -> list[tuple[int, int, int]]:
-        """The ops whose output this one consumes (its data dependencies)."""
-        if k == _F:
-            return [(s - 1, _F, m)] if s > 0 else []
-        if k == _I:
-            return [(s, _F, m)] + ([(s + 1, _I, m)] if s < self.stages - 1 else [])
-        return [(s, _I, m)]
-
-    def crosses(self, producer: tuple[int, int, int], consumer: tuple[int, int, int]) -> bool:
-        return self.where[producer[0]] != self.where[consumer[0]]
-
-    def sends(self, op: tuple[int, int, int]) -> bool:
-        """Whether the op's output goes to another rank (an F to the next stage, an I to the previous one)."""
-        s, k, _ = op
-        target = s + 1 if k == _F else s - 1 if k == _I else -1
-        return 0 <= target < self.stages and self.where[target] != self.where[s]
-
-    def earliest(self, streams: Sequence[Sequence[Action]]) -> dict[tuple[int, int, int], int] | None:
-        """Each op's start when every rank runs its order as early as the model allows (posts right after their
-        producer), or None when the order cannot run (a rank waits for an op placed later on another)."""
-        index = {kind: i for i, kind in enumerate(KINDS)}
-        orders = [[(a.stage, index[a.kind], a.mb) for a in stream if a.kind in index] for stream in streams]
-        if sum(map(len, orders)) != self.stages * 3 * self.n_mb:
-            return None
-        post = self.delay if self.model == MODEL_POSTED else 0
-        start: dict[tuple[int, int, int], int] = {}
-        end: dict[tuple[int, int, int], int] = {}
-        pos, free = [0] * self.ranks, [0] * self.ranks
-        moved = True
-        while moved:
-            moved = False
-            for rank, order in enumerate(orders):
-                while pos[rank] < len(order):
-                    op = order[pos[rank]]
-                    at = free[rank]
-                    for p in self.inputs(*op):
-                        if p not in end:
-                            break
-                        at = max(at, end[p] + (self.delay if self.crosses(p, op) else 0))
-                    else:
-                        start[op] = at
-                        end[op] = at + self.dur[op[0]][op[1]]
-                        free[rank] = end[op] + (post if self.sends(op) else 0)
-                        pos[rank] += 1
-                        moved = True
-                        continue
-                    break
-        return start if len(start) == len(end) == self.stages * 3 * self.n_mb else None
-
-
-def _timing(inst: _Instance, solver, start: dict, posts: dict) -> dict[Action, tuple[float, float | None]]:
+def _timing(inst: Instance, solver, start: dict, posts: dict) -> dict[Action, tuple[float, float | None]]:
     """SolverResult.timing of a solve: per op its start and, for an op whose output goes to another rank, when
     its send is posted (its post's start, or the producer's end without posting costs)."""
     timing: dict[Action, tuple[float, float | None]] = {}
@@ -269,7 +120,7 @@ def _timing(inst: _Instance, solver, start: dict, posts: dict) -> dict[Action, t
     return timing
 
 
-def _transfers(model, inst: _Instance, ready: dict, horizon: int, how: str) -> dict[tuple[int, int, int], object]:
+def _transfers(model, inst: Instance, ready: dict, horizon: int, how: str) -> dict[tuple[int, int, int], object]:
     """The `executed` restriction: each message moves for `message_time` on its own interval, from when it is
     ready to go (its post, or its producer's end) to its consumer's earliest start (`ready` is rewired to its
     end), and a rank moves one message at a time, sending or receiving (a no-overlap per rank over the messages
@@ -295,7 +146,7 @@ def _transfers(model, inst: _Instance, ready: dict, horizon: int, how: str) -> d
     return moving
 
 
-def _memory(model, inst: _Instance, start: dict, makespan, orders: list[tuple]) -> list[tuple]:
+def _memory(model, inst: Instance, start: dict, makespan, orders: list[tuple]) -> list[tuple]:
     """Each rank's live activations within the limit, as a cumulative: micro-batch m of stage s holds the part I
     frees from F's start to I's start and the rest from F's start to W's start. At the start of any op the sum
     is the verifier's count after that op (an interval ends where its free starts), and between starts it is
@@ -331,7 +182,7 @@ def _memory(model, inst: _Instance, start: dict, makespan, orders: list[tuple]) 
     return lengths
 
 
-def _implied_precedences(model, inst: _Instance, start: dict, orders: list[tuple]) -> None:
+def _implied_precedences(model, inst: Instance, start: dict, orders: list[tuple]) -> None:
     """What the limit implies for one stage alone, as precedences (redundant, but they propagate at once): after
     F(s, m) the stage holds (m + 1 - f·i - (1 - f)·w) of its size, i and w being the I and W it has run
     (w <= i <= m, f the input fraction), and the rank's other stages hold no less than nothing; so F(s, m) waits
@@ -358,7 +209,7 @@ def _implied_precedences(model, inst: _Instance, start: dict, orders: list[tuple
 
 
 def _counted(
-    model, inst: _Instance, start: dict, s: int, m: int, sure_i: int, sure_w: int, orders: list[tuple]
+    model, inst: Instance, start: dict, s: int, m: int, sure_i: int, sure_w: int, orders: list[tuple]
 ) -> None:
     """The stage's own live count after F(s, m) as a sum the LP sees: a Boolean per I and W of the stage that
     may or may not come before F(s, m) (the first `sure_i` I and `sure_w` W surely do, micro-batches m and later
@@ -389,7 +240,7 @@ def _counted(
 
 
 def _hinted_times(
-    inst: _Instance, hint, timing
+    inst: Instance, hint, timing
 ) -> tuple[dict[tuple[int, int, int], int], dict[tuple[int, int, int], int]] | None:
     """The starts and posts (in the model's units) that `_hint` gives: `timing`'s when given, else the earliest
     timing of the orders `hint` (posts right after their producer); None when the orders cannot run. A `late`
@@ -410,7 +261,7 @@ def _hinted_times(
 
 
 def _hint(
-    model, inst: _Instance, hint, timing, limit_units: int | None, start, posts, lengths, befores, makespan
+    model, inst: Instance, hint, timing, limit_units: int | None, start, posts, lengths, befores, makespan
 ) -> None:
     """Warm-start the solve from per-rank compute orders (their earliest timing in the model), or from `timing`
     (a solve's own, SolverResult.timing: each op's start and post): every op's start, each post, memory interval
@@ -441,10 +292,10 @@ def cheap_bound(
     input_fraction: float = 0.5,
     stage_sizes: Sequence[float] | None = None,
 ) -> float:
-    """A lower bound on the makespan without solving (`_Instance.cheap_bound`: per rank, its first forward's
+    """A lower bound on the makespan without solving (`Instance.cheap_bound`: per rank, its first forward's
     earliest start plus all its work; and what the memory limit implies), for a shape the solver is not given
     time for or finds nothing in."""
-    inst = _Instance(template, costs, limit, input_fraction, stage_sizes)
+    inst = Instance(template, costs, limit, input_fraction, stage_sizes)
     return inst.cheap_bound() / inst.scale
 
 
@@ -454,13 +305,30 @@ def model_times(orders: Program, costs: Costs) -> dict[Action, tuple[float, floa
     streams = orders.compute_streams()
     if any(type(op) is not Action or op.kind not in KINDS for stream in streams for op in stream):
         return None  # a B or an overlapped pair: not in the model
-    inst = _Instance(orders, costs, None, 0.5, None)
+    inst = Instance(orders, costs, None, 0.5, None)
     start = inst.earliest(streams)
     if start is None:
         return None
     return {
         Action(s, KINDS[k], m): (at / inst.scale, (at + inst.dur[s][k]) / inst.scale) for (s, k, m), at in start.items()
     }
+
+
+def _solver(cp_model, ops: int, workers: int, seed: int):
+    """A CP-SAT solver for a model of `ops` ops: `workers` threads, `seed`; probing in presolve only up to
+    PROBING_MAX_OPS. Above it probing costs CPU time that CP-SAT's deterministic time hardly counts, so a solve
+    limited by it ran out its wall-clock cap in presolve and returned no order, not even its hint (measured at
+    P=8, M=24, X=4, I=2F, V=2 placement v, warm-started from v_min at 146.5 in the model: probing 17.5 s for 0.57
+    deterministic units; without it the hint is the first solution at once, and 6 s of budget give 146.5 and the
+    bound 103 at 0.53 units a CPU second; P=8, M=16, X=8, I=2F, comm=0.5, V=2 placement v, 768 ops: no order in 8 s
+    with probing, 0.44 units for 7 CPU seconds; without it the hint's 107.5 at 0.72 units a CPU second). At P=8,
+    M=24, V=1 (576 ops) probing pays: 170 proved in 8.7 units with it, 14.9 without, for the same CPU time."""
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = workers
+    solver.parameters.random_seed = seed
+    if ops > PROBING_MAX_OPS:
+        solver.parameters.cp_model_probing_level = 0
+    return solver
 
 
 def solve(
@@ -496,7 +364,7 @@ def solve(
     from ortools.sat.python import cp_model
 
     clock = clock or Clock()
-    inst = _Instance(template, costs, limit, input_fraction, stage_sizes)
+    inst = Instance(template, costs, limit, input_fraction, stage_sizes)
     if min(min(row) for row in inst.dur) <= 0:
         raise ValueError("the CP-SAT model needs positive durations")
     model = cp_model.CpModel()
@@ -555,10 +423,8 @@ def solve(
         model.maximize(sum(start.values()))
     if hint is not None or hint_timing is not None:
         _hint(model, inst, hint, hint_timing, limit_units, start, posts, lengths, befores, makespan)
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = workers
-    solver.parameters.random_seed = seed
-    status, took = clock.run_solver(solver, model, seconds, BUILD_SECONDS_PER_OP * compute_ops(template))
+    solver = _solver(cp_model, compute_ops(template), workers, seed)
+    status, took = clock.run_solver(solver, model, seconds, compute_ops(template))
     if executed and status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):  # a restriction proves nothing
         return SolverResult(None, None, None, False, False, inst.model, took)
     if status == cp_model.INFEASIBLE and late is None:

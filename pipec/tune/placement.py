@@ -40,7 +40,7 @@ from pipec.ir import Action, Instruction, Kind, Program
 from pipec.p2p_rule import consumers, counterpart, message_id, producers, send_for
 from pipec.sim.costs import Costs
 from pipec.sim.simulate import simulate
-from pipec.tune.clock import BUILD_SECONDS_PER_OP, PLACEMENT_SECONDS_PER_OP, Clock, compute_ops
+from pipec.tune.clock import PLACEMENT_SECONDS_PER_OP, Clock, compute_ops, simulation_seconds
 from pipec.tune.cpsat import model_times
 
 _EPSILON = 1e-9
@@ -196,7 +196,7 @@ def improve_placement(program: Program, costs: Costs, clock: Clock, deadline: fl
     helps or `clock` passes `deadline`. Returns the placed program and whether no move helps (False:
     the deadline stopped it)."""
     best = nccl_score(program, costs)
-    each = PLACEMENT_SECONDS_PER_OP * compute_ops(program)  # the clock's charge for one score
+    each = simulation_seconds(PLACEMENT_SECONDS_PER_OP, program)  # the clock's charge for one score
     clock.charge(each)
     if best is None:
         return program, True
@@ -247,7 +247,7 @@ def solve_placement(
     beats (the order's own in the solver's model, which never times an order later than nccl does): reaching it
     ends the solves."""
     deadline = clock.after(seconds)
-    each = PLACEMENT_SECONDS_PER_OP * compute_ops(program)  # the clock's charge for one score
+    each = simulation_seconds(PLACEMENT_SECONDS_PER_OP, program)  # the clock's charge for one score
     best, score = None, nccl_score(program, costs)
     clock.charge(each)
     level = 0
@@ -288,8 +288,8 @@ def _placement_solve(program: Program, costs: Costs, clock: Clock, seconds: floa
             fixed.add(fixed.get_bool_var_from_proto_index(flag.index) == (g == gap))
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
-    built = BUILD_SECONDS_PER_OP * compute_ops(program)  # the simulation and the model, charged by size
-    if clock.run_solver(solver, fixed, clock.left(deadline), built)[0] not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    ops = compute_ops(program)  # the simulation and the model, charged by size
+    if clock.run_solver(solver, fixed, clock.left(deadline), ops)[0] not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     model = batches.model
     for index in range(len(model.proto.variables)):
@@ -297,7 +297,7 @@ def _placement_solve(program: Program, costs: Costs, clock: Clock, seconds: floa
         model.add_hint(variable, solver.value(variable))
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
-    if clock.run_solver(solver, model, clock.left(deadline), 0.0)[0] not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    if clock.run_solver(solver, model, clock.left(deadline), ops)[0] not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     streams = []
     for rank, mine in enumerate(batches.computes):

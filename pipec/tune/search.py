@@ -26,7 +26,6 @@ written with its send/recv (`own_placement`).
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -34,11 +33,7 @@ import pipec.tune.cpsat as cpsat
 import pipec.tune.placement as send_recv
 from pipec.compiler import compute_orders
 from pipec.errors import PipecError
-from pipec.ir import MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas, loop_placement, v_placement
-from pipec.passes.p2p import insert_p2p_ops
-from pipec.passes.sync import copy_orders, with_copy_syncs
-from pipec.sim.costs import Costs
-from pipec.sim.simulate import simulate
+from pipec.ir import Action, Program, loop_placement, v_placement
 from pipec.tune.candidates import (
     ERROR,
     SKIPPED,
@@ -48,12 +43,12 @@ from pipec.tune.candidates import (
     evaluate,
     proves_optimal,
 )
-from pipec.tune.clock import LIST_SECONDS_PER_OP, SCORE_SECONDS_PER_OP, Clock, compute_ops
+from pipec.tune.clock import LIST_SECONDS_PER_OP, Clock
 from pipec.tune.exact import ExactResult, exact_candidates
 from pipec.tune.greedy import listed_orders
+from pipec.tune.moves import local_moves
 from pipec.tune.setting import Setting
 from pipec.tune.space import Draw, draws
-from pipec.verify.memory import memory_profile
 
 KEEP = 3  # phase 3 improves this many of the best distinct orders
 SOLVER_SHARE = 0.5  # of the time left after phase 2, for phase 4 (with the solver: after tune's own local moves)
@@ -131,7 +126,7 @@ def tune(
         for name, v, found in exact_candidates(setting, clock, until):
             note(_from_exact(name, v, found, setting, clock), "exact search")
             complete = complete and (isinstance(found, str) or found.optimal)  # a skip is no budget cut
-        complete = _local_moves(_distinct_best(tried, KEEP), setting, clock, moves_end, seed, 0, note) and complete
+        complete = local_moves(_distinct_best(tried, KEEP), setting, clock, moves_end, seed, 0, note) and complete
         own_best = None
     else:
         # with it, tune without the solver runs first, as it would alone (the local moves on the best orders of
@@ -141,14 +136,14 @@ def tune(
         # then the local moves on the solver's orders that are not yet at its bound.
         today = _distinct_best(tried, KEEP)
         until = min(moves_end, clock.after(clock.left(moves_end) * (1 - SOLVER_SHARE)))
-        complete = _local_moves(today, setting, clock, until, seed, 0, note) and complete
+        complete = local_moves(today, setting, clock, until, seed, 0, note) and complete
         own_best = min((c for c in tried if c.ok), key=Candidate.key, default=None)
         until = clock.after(clock.left(moves_end) * SOLVER_AFTER_MOVES)
         certificate, solved = _solver_phase(setting, tried, clock, until, seed, note, workers)
         complete = complete and solved
         solved_orders = _distinct_best([c for c in tried if c.phase == 4], KEEP)
         solver_orders = [c for c in solved_orders if not proves_optimal(c.makespan, c.bound)]
-        complete = _local_moves(solver_orders, setting, clock, moves_end, seed, KEEP, note) and complete
+        complete = local_moves(solver_orders, setting, clock, moves_end, seed, KEEP, note) and complete
     # the send/recv of tune's own best (what tune without the solver places) and of the leader, when another,
     # placed from their timing; phase 4 placed its own (_solver_phase)
     leader = min((c for c in tried if c.ok), key=Candidate.key, default=None)
@@ -163,30 +158,6 @@ def tune(
     ranked = sorted((c for c in tried if c.ok), key=Candidate.key)
     rest = [c for c in tried if not c.ok]
     return TuneResult(setting, (*ranked, *rest), ranked[0] if ranked else None, library_best, complete, certificate)
-
-
-def _local_moves(
-    starts: Sequence[Candidate],
-    setting: Setting,
-    clock: Clock,
-    deadline: float,
-    seed: int,
-    first: int,
-    note: Callable[..., None],
-) -> bool:
-    """Phase 3 on `starts`: an equal share of the time to `deadline` to each (one that ends early leaves its rest
-    to the next), start number `first + index` seeded as tune always seeded it. Returns whether every start's
-    moves ended (a local optimum) before the deadline."""
-    finished_all = True
-    for index, candidate in enumerate(starts):
-        rng = random.Random(seed * 1009 + first + index)
-        until = min(deadline, clock.after(_share(clock, deadline, len(starts) - index)))
-        on_try = lambda c: note(c, "local moves", keep=False)  # noqa: E731
-        improved, finished = improve(candidate, setting, clock, until, rng, on_try)
-        finished_all = finished_all and finished
-        if improved is not candidate:
-            note(improved, "local moves")
-    return finished_all
 
 
 def _share(clock: Clock, deadline: float, count: int) -> float:
@@ -533,94 +504,3 @@ def _distinct_best(candidates: Sequence[Candidate], count: int) -> list[Candidat
         if len(out) == count:
             break
     return out
-
-
-# ---- phase 3: local moves ------------------------------------------------------------------------------------------
-
-
-def improve(
-    start: Candidate,
-    setting: Setting,
-    clock: Clock,
-    deadline: float,
-    rng: random.Random,
-    on_try: Callable[[Candidate], None] | None = None,
-) -> tuple[Candidate, bool]:
-    """First-improvement local search from `start`'s order. Returns (the best candidate, whether it stopped at a
-    local optimum rather than at the deadline)."""
-    assert start.program is not None and start.makespan is not None
-    orders = copy_orders(start.program)  # SYNCs out: each trial is placed with its own
-    v = orders.chunks
-    costs = setting.stage_costs(v, orders.pipelines)
-    sizes = setting.stage_sizes(v, orders.pipelines)
-    deltas = activation_deltas(setting.costs.input_fraction)
-    streams = [list(s) for s in orders.streams]
-    best, moves = start, 0
-    # None when only the default placement runs this order (place_p2p chose it): any trial that runs is progress
-    each = SCORE_SECONDS_PER_OP * compute_ops(orders)  # the clock's charge for one score
-    clock.charge(each)
-    current = _quick_score(orders, costs) or (start.makespan, math.inf)
-    while True:
-        options = _moves(streams)
-        rng.shuffle(options)
-        # live memory after each op, per rank: valid for the whole pass (a rejected swap is undone, an accepted one
-        # starts a new pass)
-        profiles = [memory_profile(stream, setting.costs.input_fraction, sizes) for stream in streams]
-        for rank, i in options:
-            if clock.passed(deadline):
-                return best, False
-            stream = streams[rank]
-            a, b = stream[i], stream[i + 1]
-            between = (profiles[rank][i - 1] if i else 0.0) + deltas[b.kind] * sizes[b.stage]
-            if between > setting.limit + MEMORY_TOLERANCE:
-                continue
-            stream[i], stream[i + 1] = b, a
-            trial = orders.with_streams(tuple(map(tuple, streams)), has_comms=False)
-            score = _quick_score(trial, costs)
-            clock.charge(each)
-            if score is not None and _better(score, current):
-                found = evaluate(start.name, start.params, trial, setting, clock=clock, moves=moves + 1, phase=3)
-                if on_try is not None:
-                    on_try(found)
-                if found.ok and found.makespan <= best.makespan + _EPSILON:  # type: ignore[operator]
-                    current, moves = score, moves + 1
-                    if found.makespan < best.makespan - _EPSILON:  # type: ignore[operator]
-                        best = found
-                    break
-            stream[i], stream[i + 1] = a, b
-        else:
-            return best, True
-
-
-def _moves(streams: Sequence[Sequence]) -> list[tuple[int, int]]:
-    """(rank, i): swap ops i and i+1 of the rank, where that moves a W either way or pulls an F earlier, and the
-    two are not the same micro-batch of one stage (an order their data fixes)."""
-    out = []
-    for rank, stream in enumerate(streams):
-        for i in range(len(stream) - 1):
-            a, b = stream[i], stream[i + 1]
-            if type(a) is not Action or type(b) is not Action:
-                continue
-            if a.stage == b.stage and a.mb == b.mb:
-                continue
-            if a.kind is Kind.W or b.kind is Kind.W or b.kind is Kind.F:
-                out.append((rank, i))
-    return out
-
-
-def _quick_score(orders: Program, costs: Costs) -> tuple[float, float] | None:
-    """(makespan, the sum of every compute op's end time) under nccl with send/recv placed for the costs (the timed
-    placement only: place_p2p may still pick the default one, only ever faster), or None when the order does not
-    run. The second term breaks the plateaus of the makespan: a move that lets work end sooner without delaying
-    the last op is progress, and the pair strictly decreases, so the search ends."""
-    try:
-        sim = simulate(with_copy_syncs(insert_p2p_ops(orders, costs)), costs, p2p="nccl", record=True)
-    except PipecError:
-        return None
-    return sim.makespan, sum(op.end for line in sim.timeline for op in line if not op.is_comm)
-
-
-def _better(score: tuple[float, float], than: tuple[float, float]) -> bool:
-    if score[0] < than[0] - _EPSILON:
-        return True
-    return abs(score[0] - than[0]) <= _EPSILON and score[1] < than[1] - _EPSILON

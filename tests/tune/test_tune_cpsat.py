@@ -26,6 +26,7 @@ from pipec.ir import Program, loop_placement, v_placement
 from pipec.sim.costs import parse_costs
 from pipec.sim.simulate import simulate
 from pipec.tune import Setting, cpsat, library_sources, tune
+from pipec.tune.instance import Instance
 from pipec.verify.memory import memory_profile
 
 pytestmark = pytest.mark.skipif(cpsat.available() is not None, reason="OR-tools is not installed")
@@ -196,7 +197,7 @@ def test_a_late_solve_starts_from_the_solvers_own_timing() -> None:
     costs = setting.stage_costs(2)
     earliest = max(end for _, end in cpsat.model_times(found.orders, costs).values())
     assert earliest > found.makespan + 1e-9  # the premise: the orders alone do not give the solver's timing
-    inst = cpsat._Instance(found.orders, costs, 2, setting.costs.input_fraction, setting.stage_sizes(2))
+    inst = Instance(found.orders, costs, 2, setting.costs.input_fraction, setting.stage_sizes(2))
     starts, _ = cpsat._hinted_times(inst, None, found.timing)
     span = max(at + inst.dur[s][k] for (s, k, _), at in starts.items()) / inst.scale
     assert span == pytest.approx(found.makespan)

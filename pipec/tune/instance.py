@@ -1,0 +1,168 @@
+"""The numbers of one scheduling problem for the exact phase (`Instance`): durations, message time, memory
+deltas and limit in integer units, the data dependencies, and the bounds and timings that need no solver. The
+CP-SAT model (pipec/tune/cpsat.py) is built over it; an instance knows no solver.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from fractions import Fraction
+
+from pipec.errors import PipecInputError
+from pipec.ir import MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas
+from pipec.sim.costs import Costs
+
+KINDS = (Kind.F, Kind.I, Kind.W)
+_F, _I, _W = 0, 1, 2
+MODEL_IDEAL = "ideal"  # messages take message_time between producer and consumer, nothing else
+MODEL_POSTED = "posted sends"  # and the sender's rank spends message_time posting each send (overlap=0)
+
+
+class Instance:
+    """The numbers of one problem in integer units: durations, message time, memory deltas and limit."""
+
+    def __init__(
+        self,
+        template: Program,
+        costs: Costs,
+        limit: float | None,
+        input_fraction: float,
+        stage_sizes: Sequence[float] | None,
+    ) -> None:
+        if template.pipelines != 1:  # its chains (chain, chain_to) and counters run every micro-batch down one chain
+            raise PipecInputError("the CP-SAT model orders one pipeline; it has no routes for replicated copies")
+        self.template = template
+        self.ranks, self.n_mb = template.ranks, template.microbatches
+        self.where = template.stage_to_rank
+        self.stages = template.num_stages
+        table = costs.per_stage(self.stages)
+        exact = [[Fraction(str(table[k][s])) for k in KINDS] for s in range(self.stages)]
+        message = Fraction(str(costs.message_time))
+        self.scale = math.lcm(message.denominator, *(d.denominator for row in exact for d in row))
+        self.dur = [[int(d * self.scale) for d in row] for row in exact]
+        self.delay = int(message * self.scale)
+        self.model = MODEL_POSTED if self.delay > 0 and not costs.overlap else MODEL_IDEAL
+        sizes = [Fraction(1)] * self.stages if stage_sizes is None else [Fraction(str(x)) for x in stage_sizes]
+        deltas = activation_deltas(input_fraction)
+        change = [[Fraction(str(deltas[k])) * sizes[s] for k in KINDS] for s in range(self.stages)]
+        self.limit: int | None = None
+        bound = None if limit is None else Fraction(str(limit)) + Fraction(str(MEMORY_TOLERANCE))
+        self.memory_scale = math.lcm(*(c.denominator for row in change for c in row), 1)
+        if bound is not None:
+            self.memory_scale = math.lcm(self.memory_scale, Fraction(str(limit)).denominator)
+            self.limit = math.floor(bound * self.memory_scale)
+        self.change = [[int(c * self.memory_scale) for c in row] for row in change]
+
+    def chain(self, s: int, k: int) -> int:
+        """The least time from the start of F(s, m) to the start of its I (k = I) or W (k = W): the forward
+        through the later stages, the input gradients back, and the messages between ranks on the way (a post
+        holds its sender, not the message: the consumer may start message_time after the producer ends)."""
+        t = self.dur[s][_F]
+        for t_stage in range(s + 1, self.stages):  # forwards onwards
+            t += (self.delay if self.where[t_stage] != self.where[t_stage - 1] else 0) + self.dur[t_stage][_F]
+        for t_stage in range(self.stages - 2, s - 1, -1):  # input gradients back to stage s (its own I excluded)
+            cross = self.where[t_stage] != self.where[t_stage + 1]
+            t += self.dur[t_stage + 1][_I] + (self.delay if cross else 0)
+        return t + (self.dur[s][_I] if k == _W else 0)
+
+    def chain_to(self, s: int) -> int:
+        """The earliest start of F(s, m): the forwards of the stages before it and their messages."""
+        t = 0
+        for t_stage in range(1, s + 1):
+            cross = self.where[t_stage] != self.where[t_stage - 1]
+            t += self.dur[t_stage - 1][_F] + (self.delay if cross else 0)
+        return t
+
+    def rank_bound(self) -> int:
+        """The largest over ranks of its first forward's earliest start plus all its work (and posts)."""
+        post = self.delay if self.model == MODEL_POSTED else 0
+        best = 0
+        for rank in range(self.ranks):
+            mine = [op for op in self.ops() if self.where[op[0]] == rank]
+            if mine:
+                head = min(self.chain_to(s) for s, _, _ in mine)
+                work = sum(self.dur[s][k] + (post if self.sends((s, k, m)) else 0) for s, k, m in mine)
+                best = max(best, head + work)
+        return best
+
+    def memory_bound(self) -> int:
+        """The largest over ranks of what the memory limit alone implies (0 without a limit): each activation of
+        micro-batch m lives from its forward to its free for at least the chain of work between them
+        (`chain`), the rank holds at most the limit at a time, so its memory-time, M x the sum over its stages
+        of size x chain, fits under limit x the time from its first forward's earliest start to the end less its
+        last W (Little's law; the model's area cut, `_memory`, without solving)."""
+        if self.limit is None or self.limit <= 0:
+            return 0
+        best = 0
+        for rank in range(self.ranks):
+            mine = [s for s in range(self.stages) if self.where[s] == rank]
+            area = sum(
+                -self.change[s][k] * self.chain(s, k) * self.n_mb
+                for s in mine
+                for k in (_I, _W)
+                if self.change[s][k] < 0
+            )
+            first = min(self.chain_to(s) for s in mine)
+            last = min(self.dur[s][_W] for s in mine)
+            best = max(best, first + last + math.ceil(area / self.limit))
+        return best
+
+    def cheap_bound(self) -> int:
+        """A lower bound without solving: the per-rank one or the memory one, whichever is larger."""
+        return max(self.rank_bound(), self.memory_bound())
+
+    def ops(self) -> list[tuple[int, int, int]]:
+        return [(s, k, m) for s in range(self.stages) for k in range(3) for m in range(self.n_mb)]
+
+    def inputs(self, s: int, k: int, m: int) -> list[tuple[int, int, int]]:
+        """The ops whose output this one consumes (its data dependencies)."""
+        if k == _F:
+            return [(s - 1, _F, m)] if s > 0 else []
+        if k == _I:
+            return [(s, _F, m)] + ([(s + 1, _I, m)] if s < self.stages - 1 else [])
+        return [(s, _I, m)]
+
+    def crosses(self, producer: tuple[int, int, int], consumer: tuple[int, int, int]) -> bool:
+        return self.where[producer[0]] != self.where[consumer[0]]
+
+    def sends(self, op: tuple[int, int, int]) -> bool:
+        """Whether the op's output goes to another rank (an F to the next stage, an I to the previous one)."""
+        s, k, _ = op
+        target = s + 1 if k == _F else s - 1 if k == _I else -1
+        return 0 <= target < self.stages and self.where[target] != self.where[s]
+
+    def earliest(self, streams: Sequence[Sequence[Action]]) -> dict[tuple[int, int, int], int] | None:
+        """Each op's start when every rank runs its order as early as the model allows (posts right after their
+        producer), or None when the order cannot run (a rank waits for an op placed later on another)."""
+        index = {kind: i for i, kind in enumerate(KINDS)}
+        orders = [[(a.stage, index[a.kind], a.mb) for a in stream if a.kind in index] for stream in streams]
+        if sum(map(len, orders)) != self.stages * 3 * self.n_mb:
+            return None
+        post = self.delay if self.model == MODEL_POSTED else 0
+        start: dict[tuple[int, int, int], int] = {}
+        end: dict[tuple[int, int, int], int] = {}
+        pos, free = [0] * self.ranks, [0] * self.ranks
+        moved = True
+        while moved:
+            moved = False
+            for rank, order in enumerate(orders):
+                while pos[rank] < len(order):
+                    op = order[pos[rank]]
+                    at = free[rank]
+                    for p in self.inputs(*op):
+                        if p not in end:
+                            break
+                        at = max(at, end[p] + (self.delay if self.crosses(p, op) else 0))
+                    else:
+                        start[op] = at
+                        end[op] = at + self.dur[op[0]][op[1]]
+                        free[rank] = end[op] + (post if self.sends(op) else 0)
+                        pos[rank] += 1
+                        moved = True
+                        continue
+                    break
+        return start if len(start) == len(end) == self.stages * 3 * self.n_mb else None
+
+
+__all__ = ["KINDS", "MODEL_IDEAL", "MODEL_POSTED", "Instance"]

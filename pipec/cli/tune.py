@@ -66,12 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--time-budget",
         type=amount,
-        default=60.0,
         metavar="SECONDS",
-        help="seconds for the whole command (default 60), counted as work (seconds of an idle machine; the solver "
+        help="seconds for the whole command (default 120), counted as work (seconds of an idle machine; the solver "
         "in its deterministic time), so that a loaded machine gives the same result; it ends within 2 times the "
-        "budget in CPU time and 3 times in wall time however loaded. The search beyond the library stops in time; "
-        "the library is always tried in full",
+        "budget in CPU time and 3 times in wall time however loaded, and sooner when every shape is proved. The "
+        "search beyond the library stops in time; the library is always tried in full",
     )
     parser.add_argument("--seed", type=integer, default=0, metavar="S", help="seed of sampling and local moves")
     parser.add_argument(
@@ -113,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     from pipec.limits import check_sizes
     from pipec.sim.costs import per_rank_share
     from pipec.tune import Setting, library_sources, tune
-    from pipec.tune.clock import Clock
+    from pipec.tune.clock import DEFAULT_BUDGET, Clock
     from pipec.tune.output import candidates_json, recheck, schedule_text, summary_text, table_text
 
     clock = Clock()  # the budget's, from here: parsing the costs and the --from files counts too
@@ -125,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
     setting = Setting(args.ranks, args.microbatches, costs, args.memory_limit, args.chunks)
     sources = library_sources() + [(path, path) for path in args.sources]
     # the budget is for the whole command: start-up, the final re-check and the output take about a second
-    search_budget = max(0.0, args.time_budget - min(OUTPUT_RESERVE, args.time_budget / 10))
+    budget = DEFAULT_BUDGET if args.time_budget is None else args.time_budget  # the default: tune's own
+    search_budget = max(0.0, budget - min(OUTPUT_RESERVE, budget / 10))
     result = tune(setting, sources, search_budget, args.seed, _Progress(args.progress), args.workers, clock)
     if result.best is None:
         peaks = [c for c in result.candidates if c.peak is not None]

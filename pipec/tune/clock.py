@@ -30,6 +30,11 @@ from collections.abc import Callable
 
 from pipec.ir import Program
 
+# tune's budget when none is given, in seconds of work: 60 until issue #23's sixth round; with the work clock a
+# 60 s run gave the solver too little to close the bounds with messages (P=8, M=24, X=4, I=2F, comm=0.5: 215.5
+# within 4.1% of 207 at 60 s, 213.5 proved optimal at 120 s, 72 s of CPU; P=4, M=8, X=2, V=2, F=2I=2W: 44.5
+# within 20% of 37 at 60, proved optimal at 120); a search whose phases all end (every shape proved) ends sooner
+DEFAULT_BUDGET = 120.0
 WALL_CAP = 3.0  # the command ends by this many times its budget in wall time, however loaded the machine
 CPU_CAP = 2.0  # and by this many times in CPU time, however far the charges are from what the work cost
 # Costs per compute op (3·P·M·V of them) of what tune's phases charge, measured on this project's 2-core machine
@@ -147,6 +152,7 @@ def solver_seconds(deterministic_time: float) -> float:
 __all__ = [
     "BUILD_SECONDS_PER_OP",
     "CPU_CAP",
+    "DEFAULT_BUDGET",
     "DETERMINISTIC_PER_SECOND",
     "EVALUATE_SECONDS_PER_OP",
     "GROWTH_OPS",

@@ -43,7 +43,7 @@ from pipec.tune.candidates import (
     evaluate,
     proves_optimal,
 )
-from pipec.tune.clock import LIST_SECONDS_PER_OP, Clock
+from pipec.tune.clock import DEFAULT_BUDGET, LIST_SECONDS_PER_OP, Clock
 from pipec.tune.exact import ExactResult, exact_candidates
 from pipec.tune.greedy import listed_orders
 from pipec.tune.moves import local_moves
@@ -76,7 +76,7 @@ class TuneResult:
 def tune(
     setting: Setting,
     sources: Sequence[tuple[str, str]],
-    time_budget: float = 60.0,
+    time_budget: float = DEFAULT_BUDGET,
     seed: int = 0,
     progress: Progress | None = None,
     workers: int = cpsat.WORKERS,

@@ -3,6 +3,7 @@ would run them), the limit parameter of a --from file, exit codes for bad input 
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -199,3 +200,16 @@ def test_the_tuning_walkthroughs_partitions_make_a_last_stage_twice_as_heavy() -
     assert all(1.8 < one[3] / part < 2.3 for part in one[1:3]), one
     two = stage_params("2,1,1,1,1,1,2,4", 8)
     assert [two[2 * k] + two[2 * k + 1] for k in range(4)] == one
+
+
+def test_the_help_states_the_default_budget_tune_uses(capsys: pytest.CaptureFixture) -> None:
+    # the CLI names the default in its help without importing pipec.tune (the parser of every command is built
+    # before one runs), and takes tune's own when --time-budget is not given
+    from pipec.cli import main as cli_main
+    from pipec.tune.clock import DEFAULT_BUDGET
+    from pipec.tune.search import tune
+
+    assert cli_main(["tune", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"(default {DEFAULT_BUDGET:g})" in text
+    assert inspect.signature(tune).parameters["time_budget"].default == DEFAULT_BUDGET

@@ -60,8 +60,6 @@ from pipec.sim.costs import Costs
 from pipec.tune.clock import Clock, compute_ops
 from pipec.tune.instance import _F, _I, _W, KINDS, MODEL_IDEAL, MODEL_POSTED, Instance
 
-EXECUTED_SERIAL = "serial"  # `executed` solves: a rank moves one message at a time, sent or received
-EXECUTED_DUPLEX = "duplex"  # one sent and one received at a time (a batch runs a send and a receive together)
 WINDOW = 16  # the most Booleans per forward in the counted memory cut (_counted)
 PROBING_MAX_OPS = 600  # the largest model (3·P·M·V ops) whose presolve probes (_solver says why)
 WORKERS = 1  # CP-SAT's default here: one worker is deterministic (the same input, the same orders); more are not
@@ -120,15 +118,14 @@ def _timing(inst: Instance, solver, start: dict, posts: dict) -> dict[Action, tu
     return timing
 
 
-def _transfers(model, inst: Instance, ready: dict, horizon: int, how: str) -> dict[tuple[int, int, int], object]:
+def _transfers(model, inst: Instance, ready: dict, horizon: int) -> dict[tuple[int, int, int], object]:
     """The `executed` restriction: each message moves for `message_time` on its own interval, from when it is
     ready to go (its post, or its producer's end) to its consumer's earliest start (`ready` is rewired to its
     end), and a rank moves one message at a time, sending or receiving (a no-overlap per rank over the messages
     it sends and receives). nccl runs a rank's batches in order on one stream and a pair moves only when both
     sides' batches run; the relaxation lets every message move at once. Returns each sender's transfer start."""
     moving = {}
-    per_rank: list[list] = [[] for _ in range(inst.ranks * 2)]
-    duplex = inst.ranks if how == EXECUTED_DUPLEX else 0  # where a rank's receives go: apart from its sends
+    per_rank: list[list] = [[] for _ in range(inst.ranks)]
     for op, at in list(ready.items()):
         if not inst.sends(op):
             continue
@@ -138,7 +135,7 @@ def _transfers(model, inst: Instance, ready: dict, horizon: int, how: str) -> di
         interval = model.new_fixed_size_interval_var(go, inst.delay, f"x{op}")
         target = s + 1 if k == _F else s - 1
         per_rank[inst.where[s]].append(interval)
-        per_rank[duplex + inst.where[target]].append(interval)
+        per_rank[inst.where[target]].append(interval)
         ready[op] = go + inst.delay
         moving[op] = go
     for intervals in per_rank:
@@ -345,7 +342,7 @@ def solve(
     cutoff: float | None = None,
     hint_timing: Mapping[Action, tuple[float, float | None]] | None = None,
     clock: Clock | None = None,
-    executed: str | None = None,
+    executed: bool = False,
 ) -> SolverResult:
     """The least-makespan compute orders for `template`'s P, M, V and placement (module docstring), within
     `seconds` of the budget. `hint`: per-rank compute orders to start from (the best tune has). `workers`:
@@ -392,7 +389,7 @@ def solve(
             ready[op] = posted + inst.delay
         else:
             ready[op] = end + (inst.delay if inst.sends(op) else 0)
-    moving = _transfers(model, inst, ready, horizon, executed) if executed and inst.delay > 0 else {}
+    moving = _transfers(model, inst, ready, horizon) if executed and inst.delay > 0 else {}
     for op in ops:
         for p in inst.inputs(*op):
             model.add(start[op] >= (ready[p] if inst.crosses(p, op) else start[p] + inst.dur[p[0]][p[1]]))

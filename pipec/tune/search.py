@@ -373,7 +373,7 @@ def _closer(
             cutoff=best.makespan,
             hint_timing=found.timing,
             clock=clock,
-            executed=cpsat.EXECUTED_SERIAL,
+            executed=True,
         )
         if executed.orders is not None:
             option = evaluate(candidate.name, (), executed.orders, setting, clock=clock, phase=4, bound=found.bound)

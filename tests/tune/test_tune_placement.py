@@ -131,7 +131,7 @@ def test_orders_timed_with_one_message_at_a_time_run_at_the_models_makespan() ->
     else:
         pytest.fail("every seed's optimal order reaches the model's makespan: the case no longer shows the loss")
     executed = cpsat.solve(
-        template, costs, 3, costs.input_fraction, sizes, 10, found.orders.streams, executed=cpsat.EXECUTED_SERIAL
+        template, costs, 3, costs.input_fraction, sizes, 10, found.orders.streams, executed=True
     )
     assert executed.makespan == 25.5 and executed.bound is None  # a restriction: it bounds nothing
     placed = _moves_placement(executed, costs, executed.transfers)

@@ -115,6 +115,11 @@ class Clock:
         """Seconds of budget left until `deadline` (0 when passed)."""
         return max(0.0, deadline - self.now())
 
+    def share(self, deadline: float, count: int) -> float:
+        """The deadline of an equal share, for each of `count` steps, of the budget left until `deadline` (a step
+        that ends early leaves its rest to the next)."""
+        return self.after(self.left(deadline) / count)
+
     def passed(self, deadline: float) -> bool:
         return self.now() > deadline
 

@@ -77,7 +77,7 @@ def exact_candidates(
     ]
     for index, (v, placement) in enumerate(jobs):
         name = "exact" if placement == "loop" else "exact-v"
-        share = clock.left(deadline) / (len(jobs) - index)
+        until = clock.share(deadline, len(jobs) - index)
         stages = ranks * v
         where = loop_placement(ranks, stages) if placement == "loop" else v_placement(ranks, stages)
         template = Program(
@@ -96,7 +96,7 @@ def exact_candidates(
                 setting.limit,
                 setting.costs.input_fraction,
                 setting.stage_sizes(v),
-                clock.after(share),
+                until,
                 model="nccl",
                 clock=clock,
             ),

@@ -41,7 +41,7 @@ def local_moves(
     finished_all = True
     for index, candidate in enumerate(starts):
         rng = random.Random(seed * 1009 + first + index)
-        until = min(deadline, clock.after(clock.left(deadline) / (len(starts) - index)))
+        until = min(deadline, clock.share(deadline, len(starts) - index))
         on_try = lambda c: note(c, "local moves", keep=False)  # noqa: E731
         improved, finished = improve(candidate, setting, clock, until, rng, on_try)
         finished_all = finished_all and finished

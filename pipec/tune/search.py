@@ -106,7 +106,7 @@ def tune(
 
     complete = True
     for name, v, orders in listed_orders(setting):
-        clock.charge(LIST_SECONDS_PER_OP * 3 * setting.microbatches * setting.ranks * v)
+        clock.charge(_list_seconds(setting, v))
         if clock.passed(deadline):
             complete = False
             break
@@ -151,18 +151,13 @@ def tune(
     if len(chosen) == 2 and chosen[0] is chosen[1]:
         chosen.pop()
     for index, candidate in enumerate(chosen):
-        placed, finished = _placed(candidate, setting, clock, clock.after(_share(clock, deadline, len(chosen) - index)))
+        placed, finished = _placed(candidate, setting, clock, clock.share(deadline, len(chosen) - index))
         complete = complete and finished
         if placed is not candidate:
             note(placed, "send/recv placement")
     ranked = sorted((c for c in tried if c.ok), key=Candidate.key)
     rest = [c for c in tried if not c.ok]
     return TuneResult(setting, (*ranked, *rest), ranked[0] if ranked else None, library_best, complete, certificate)
-
-
-def _share(clock: Clock, deadline: float, count: int) -> float:
-    """An equal share of the time left to `deadline` for each of `count` steps."""
-    return clock.left(deadline) / count
 
 
 def _solver_phase(
@@ -376,10 +371,7 @@ def _closer(
             executed=True,
         )
         if executed.orders is not None:
-            option = evaluate(candidate.name, (), executed.orders, setting, clock=clock, phase=4, bound=found.bound)
-            placed, done = _placed(option, setting, clock, until, executed.timing, found.makespan, executed.transfers)
-            finished = finished and done
-            best = min((c for c in (best, option, placed) if c.ok), key=Candidate.key, default=best)
+            best, finished = _tried(executed, best, finished, candidate, found, setting, clock, until)
     for index in range(LATE_SEEDS):
         if best.makespan <= found.makespan + _EPSILON or clock.passed(deadline):  # type: ignore[operator]
             break
@@ -400,12 +392,28 @@ def _closer(
         )
         if later.orders is None:
             continue
-        option = evaluate(candidate.name, (), later.orders, setting, clock=clock, phase=4, bound=found.bound)
-        until = clock.after(clock.left(deadline) / (LATE_SEEDS - index))
-        placed, done = _placed(option, setting, clock, until, later.timing, found.makespan)
-        finished = finished and done
-        best = min((c for c in (best, option, placed) if c.ok), key=Candidate.key, default=best)
+        until = clock.share(deadline, LATE_SEEDS - index)
+        best, finished = _tried(later, best, finished, candidate, found, setting, clock, until)
     return best, finished
+
+
+def _tried(
+    other: cpsat.SolverResult,
+    best: Candidate,
+    finished: bool,
+    candidate: Candidate,
+    found: cpsat.SolverResult,
+    setting: Setting,
+    clock: Clock,
+    deadline: float,
+) -> tuple[Candidate, bool]:
+    """`_closer`'s step for another solve's orders of `found`'s makespan: judged as they are and placed from that
+    solve's timing (and transfers), the better of them and `best`; and whether the placement's moves ended."""
+    assert other.orders is not None
+    option = evaluate(candidate.name, (), other.orders, setting, clock=clock, phase=4, bound=found.bound)
+    placed, done = _placed(option, setting, clock, deadline, other.timing, found.makespan, other.transfers)
+    best = min((c for c in (best, option, placed) if c.ok), key=Candidate.key, default=best)
+    return best, finished and done
 
 
 def _placed(
@@ -453,13 +461,18 @@ def _placed(
     return candidate, finished
 
 
+def _list_seconds(setting: Setting, chunks: int) -> float:
+    """The clock's charge for one list-scheduled order of V = `chunks` (phase 2, or a library `choose` schedule)."""
+    return LIST_SECONDS_PER_OP * 3 * setting.microbatches * setting.ranks * chunks
+
+
 def _from_draw(draw: Draw, setting: Setting, clock: Clock) -> Candidate:
     if draw.problem:
         verdict = SKIPPED if draw.skipped else ERROR
         return Candidate(draw.name, draw.params, draw.chunks, None, None, None, verdict, draw.problem)
     try:
         if draw.choose:  # a cost-aware schedule is list-scheduled under the costs and the limit, per rank share
-            clock.charge(LIST_SECONDS_PER_OP * 3 * setting.microbatches * setting.ranks * draw.chunks)
+            clock.charge(_list_seconds(setting, draw.chunks))
             orders = compute_orders(
                 draw.source,
                 setting.ranks,

@@ -57,11 +57,8 @@ def test_tunes_file_lists_its_placement_and_check_and_simulate_reproduce_it(tmp_
     written = out.read_text()
     assert "SEND_F" in written and "RECV_B" in written  # tune placed them itself, and says so
     assert "not placed by pipec" in written
-    code, checked, err = run_main(["check", str(out), "--per-rank-share", "--cost", cost, "--memory-limit", "2"])
-    assert code == 0, checked + err
-    code, simulated, err = run_main(["simulate", str(out), "--per-rank-share", "--cost", cost])
-    assert code == 0, err
-    assert "makespan 28.5 " in simulated  # the solver's optimum (the cost-timed placement takes 29.5)
+    # the solver's optimum (the cost-timed placement takes 29.5)
+    assert "makespan 28.5 " in _checked_and_simulated(out, cost, "2")
     # tuned again from that file: it keeps its own send/recv, and the new file re-checks as found
     again = tmp_path / "again.pipe"
     code, text, err = run_main([*argv, "--time-budget", "10", "--from", str(out), "-o", str(again)], tmp_path)
@@ -149,8 +146,13 @@ def test_tune_writes_a_schedule_that_runs_at_the_models_optimum_under_nccl(tmp_p
     assert code == 0, err
     assert "proved optimal: no schedule of V=1 (placements loop) is faster than 25.5" in text
     assert "this schedule reaches it under nccl" in text
-    code, checked, err = run_main(["check", str(out), "--per-rank-share", "--cost", cost, "--memory-limit", "3"])
+    assert "makespan 25.5 " in _checked_and_simulated(out, cost, "3")
+
+
+def _checked_and_simulated(path: Path, cost: str, limit: str) -> str:
+    """`pipec check` of a file tune wrote (it must verify, exit 0) and what `pipec simulate` prints for it."""
+    code, checked, err = run_main(["check", str(path), "--per-rank-share", "--cost", cost, "--memory-limit", limit])
     assert code == 0, checked + err
-    code, simulated, err = run_main(["simulate", str(out), "--per-rank-share", "--cost", cost])
+    code, simulated, err = run_main(["simulate", str(path), "--per-rank-share", "--cost", cost])
     assert code == 0, err
-    assert "makespan 25.5 " in simulated
+    return simulated

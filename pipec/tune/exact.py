@@ -27,16 +27,15 @@ after its producer ends, and a rank's ops still run in order): so ideal times bo
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
-from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from pipec.errors import PipecError, PipecInputError
 from pipec.ir import MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas, loop_placement, v_placement
 from pipec.sim.simulate import simulate
 from pipec.tune.clock import NODE_SECONDS, Clock
+from pipec.tune.instance import exact_times
 
 if TYPE_CHECKING:
     from pipec.sim.costs import Costs
@@ -150,12 +149,9 @@ class _Search:
         self.ranks, self.n_mb = template.ranks, template.microbatches
         self.where = template.stage_to_rank
         self.last = template.num_stages - 1
-        table = costs.per_stage(self.last + 1)
-        exact = [[Fraction(str(table[k][s])) for k in _KINDS] for s in range(self.last + 1)]
-        message = Fraction(str(costs.message_time))
         # times in integer units of 1/scale (every duration a whole number of them): exact, and fast to add
-        self.scale = math.lcm(message.denominator, *(d.denominator for row in exact for d in row))
-        self.dur = [[int(d * self.scale) for d in row] for row in exact]
+        self.scale, exact, message = exact_times(costs, self.last + 1, _KINDS)
+        self.dur = [[int(exact[k][s] * self.scale) for k in _KINDS] for s in range(self.last + 1)]
         self.delay = int(message * self.scale)
         deltas = activation_deltas(input_fraction)
         sizes = [1.0] * (self.last + 1) if stage_sizes is None else [float(x) for x in stage_sizes]

@@ -19,6 +19,17 @@ MODEL_IDEAL = "ideal"  # messages take message_time between producer and consume
 MODEL_POSTED = "posted sends"  # and the sender's rank spends message_time posting each send (overlap=0)
 
 
+def exact_times(costs: Costs, stages: int, kinds: Sequence[Kind]) -> tuple[int, dict[Kind, list[Fraction]], Fraction]:
+    """The costs as exact fractions: (the integer time units per cost unit, which make every duration of `kinds` and
+    the message time an integer, each kind's per-stage durations, the message time). A model in integer time then
+    rounds nothing."""
+    table = costs.per_stage(stages)
+    exact = {kind: [Fraction(str(x)) for x in table[kind]] for kind in kinds}
+    message = Fraction(str(costs.message_time))
+    scale = math.lcm(message.denominator, *(d.denominator for row in exact.values() for d in row))
+    return scale, exact, message
+
+
 class Instance:
     """The numbers of one problem in integer units: durations, message time, memory deltas and limit."""
 
@@ -36,11 +47,8 @@ class Instance:
         self.ranks, self.n_mb = template.ranks, template.microbatches
         self.where = template.stage_to_rank
         self.stages = template.num_stages
-        table = costs.per_stage(self.stages)
-        exact = [[Fraction(str(table[k][s])) for k in KINDS] for s in range(self.stages)]
-        message = Fraction(str(costs.message_time))
-        self.scale = math.lcm(message.denominator, *(d.denominator for row in exact for d in row))
-        self.dur = [[int(d * self.scale) for d in row] for row in exact]
+        self.scale, exact, message = exact_times(costs, self.stages, KINDS)
+        self.dur = [[int(exact[k][s] * self.scale) for k in KINDS] for s in range(self.stages)]
         self.delay = int(message * self.scale)
         self.model = MODEL_POSTED if self.delay > 0 and not costs.overlap else MODEL_IDEAL
         sizes = [Fraction(1)] * self.stages if stage_sizes is None else [Fraction(str(x)) for x in stage_sizes]
@@ -165,4 +173,4 @@ class Instance:
         return start if len(start) == len(end) == self.stages * 3 * self.n_mb else None
 
 
-__all__ = ["KINDS", "MODEL_IDEAL", "MODEL_POSTED", "Instance"]
+__all__ = ["KINDS", "MODEL_IDEAL", "MODEL_POSTED", "Instance", "exact_times"]

@@ -32,7 +32,6 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Mapping
-from fractions import Fraction
 from itertools import pairwise
 
 from pipec.errors import PipecError
@@ -42,6 +41,7 @@ from pipec.sim.costs import Costs
 from pipec.sim.simulate import simulate
 from pipec.tune.clock import PLACEMENT_SECONDS_PER_OP, Clock, compute_ops, simulation_seconds
 from pipec.tune.cpsat import model_times
+from pipec.tune.instance import exact_times
 
 _EPSILON = 1e-9
 _PLACED_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B})
@@ -341,10 +341,7 @@ class _Batches:
         from ortools.sat.python import cp_model
 
         self.program, self.computes, self.comms = program, computes, comms
-        table = costs.per_stage(program.num_stages)
-        exact = {kind: [Fraction(str(x)) for x in table[kind]] for kind in (Kind.F, Kind.B, Kind.I, Kind.W)}
-        message = Fraction(str(costs.message_time))
-        scale = math.lcm(message.denominator, *(d.denominator for row in exact.values() for d in row))
+        scale, exact, message = exact_times(costs, program.num_stages, (Kind.F, Kind.B, Kind.I, Kind.W))
         self.delay = int(message * scale)
         self.post = 0 if costs.overlap else self.delay
         self.index_of = [{op: j for j, op in enumerate(mine)} for mine in computes]

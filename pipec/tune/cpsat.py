@@ -58,7 +58,7 @@ from fractions import Fraction
 from pipec.ir import Action, Program
 from pipec.sim.costs import Costs
 from pipec.tune.clock import Clock, compute_ops
-from pipec.tune.instance import _F, _I, _W, KINDS, MODEL_IDEAL, MODEL_POSTED, Instance
+from pipec.tune.instance import F_INDEX, I_INDEX, KINDS, MODEL_IDEAL, MODEL_POSTED, W_INDEX, Instance
 
 WINDOW = 16  # the most Booleans per forward in the counted memory cut (_counted)
 PROBING_MAX_OPS = 600  # the largest model (3·P·M·V ops) whose presolve probes (_solver says why)
@@ -133,7 +133,7 @@ def _transfers(model, inst: Instance, ready: dict, horizon: int) -> dict[tuple[i
         go = model.new_int_var(0, horizon, f"t{op}")
         model.add(go >= at - inst.delay)
         interval = model.new_fixed_size_interval_var(go, inst.delay, f"x{op}")
-        target = s + 1 if k == _F else s - 1
+        target = s + 1 if k == F_INDEX else s - 1
         per_rank[inst.where[s]].append(interval)
         per_rank[inst.where[target]].append(interval)
         ready[op] = go + inst.delay
@@ -155,15 +155,15 @@ def _memory(model, inst: Instance, start: dict, makespan, orders: list[tuple]) -
     lengths = []  # (variable, the forward, the op that frees): to hint
     for s in range(inst.stages):
         rank = inst.where[s]
-        for k in (_I, _W):
+        for k in (I_INDEX, W_INDEX):
             demand = -inst.change[s][k]
             if demand <= 0:
                 continue
             least = inst.chain(s, k)
             for m in range(inst.n_mb):
-                lo, hi = start[(s, _F, m)], start[(s, k, m)]
+                lo, hi = start[(s, F_INDEX, m)], start[(s, k, m)]
                 length = model.new_int_var(least, 10**9, f"h{s},{k},{m}")
-                lengths.append((length, (s, _F, m), (s, k, m)))
+                lengths.append((length, (s, F_INDEX, m), (s, k, m)))
                 demands[rank][0].append(model.new_interval_var(lo, length, hi, f"l{s},{k},{m}"))
                 demands[rank][1].append(demand)
                 demands[rank][2].append(demand * length)
@@ -174,7 +174,7 @@ def _memory(model, inst: Instance, start: dict, makespan, orders: list[tuple]) -
             # the same as a sum the LP sees: the memory-time a rank's intervals cover fits under the limit between
             # its first forward's earliest start and its last W (a cut, redundant with the cumulative)
             first = min(inst.chain_to(s) for s in range(inst.stages) if inst.where[s] == rank)
-            last = min(inst.dur[s][_W] for s in range(inst.stages) if inst.where[s] == rank)
+            last = min(inst.dur[s][W_INDEX] for s in range(inst.stages) if inst.where[s] == rank)
             model.add(sum(areas) <= inst.limit * (makespan - first - last))
     return lengths
 
@@ -187,27 +187,25 @@ def _implied_precedences(model, inst: Instance, start: dict, orders: list[tuple]
     assert inst.limit is not None
     limit = Fraction(inst.limit, inst.memory_scale)
     for s in range(inst.stages):
-        size = Fraction(inst.change[s][_F], inst.memory_scale)
+        size = Fraction(inst.change[s][F_INDEX], inst.memory_scale)
         if size <= 0:
             continue
         room = limit / size
-        free_i = Fraction(-inst.change[s][_I], inst.change[s][_F])  # the input fraction, exactly
+        free_i = Fraction(-inst.change[s][I_INDEX], inst.change[s][F_INDEX])  # the input fraction, exactly
         for m in range(inst.n_mb):
-            f = start[(s, _F, m)]
+            f = start[(s, F_INDEX, m)]
             need_i = math.ceil(m + 1 - room)
             if 0 < need_i <= m:
-                model.add(f >= start[(s, _I, need_i - 1)] + inst.dur[s][_I])
+                model.add(f >= start[(s, I_INDEX, need_i - 1)] + inst.dur[s][I_INDEX])
             need_w = 0
             if free_i < 1:
                 need_w = math.ceil((m + 1 - free_i * m - room) / (1 - free_i))
                 if 0 < need_w <= m:
-                    model.add(f >= start[(s, _W, need_w - 1)] + inst.dur[s][_W])
+                    model.add(f >= start[(s, W_INDEX, need_w - 1)] + inst.dur[s][W_INDEX])
             _counted(model, inst, start, s, m, max(0, need_i), max(0, need_w), orders)
 
 
-def _counted(
-    model, inst: Instance, start: dict, s: int, m: int, sure_i: int, sure_w: int, orders: list[tuple]
-) -> None:
+def _counted(model, inst: Instance, start: dict, s: int, m: int, sure_i: int, sure_w: int, orders: list[tuple]) -> None:
     """The stage's own live count after F(s, m) as a sum the LP sees: a Boolean per I and W of the stage that
     may or may not come before F(s, m) (the first `sure_i` I and `sure_w` W surely do, micro-batches m and later
     surely not), ordered as the counters run them. Redundant with the cumulative, which bounds the makespan
@@ -215,24 +213,24 @@ def _counted(
     assert inst.limit is not None
     if m - sure_i + m - sure_w > WINDOW:
         return
-    f = start[(s, _F, m)]
+    f = start[(s, F_INDEX, m)]
     before = {}
-    for k, sure in ((_I, sure_i), (_W, sure_w)):
+    for k, sure in ((I_INDEX, sure_i), (W_INDEX, sure_w)):
         previous = None
         for j in range(sure, m):
             b = model.new_bool_var(f"c{s},{k},{j},{m}")
             op = start[(s, k, j)]
             model.add(op + inst.dur[s][k] <= f).only_enforce_if(b)
-            model.add(f + inst.dur[s][_F] <= op).only_enforce_if(~b)
+            model.add(f + inst.dur[s][F_INDEX] <= op).only_enforce_if(~b)
             if previous is not None:
                 model.add_implication(b, previous)  # the counters: micro-batch j before j + 1
             previous = b
             before[(k, j)] = b
-            orders.append((b, (s, k, j), (s, _F, m)))
+            orders.append((b, (s, k, j), (s, F_INDEX, m)))
     for (k, j), b in before.items():
-        if k == _W and (_I, j) in before:
-            model.add_implication(b, before[(_I, j)])  # W(s, j) after I(s, j)
-    live = inst.change[s][_F] * (m + 1) + inst.change[s][_I] * sure_i + inst.change[s][_W] * sure_w
+        if k == W_INDEX and (I_INDEX, j) in before:
+            model.add_implication(b, before[(I_INDEX, j)])  # W(s, j) after I(s, j)
+    live = inst.change[s][F_INDEX] * (m + 1) + inst.change[s][I_INDEX] * sure_i + inst.change[s][W_INDEX] * sure_w
     model.add(live + sum(inst.change[s][k] * b for (k, _), b in before.items()) <= inst.limit)
 
 
@@ -408,8 +406,8 @@ def solve(
     befores: list[tuple] = []  # (Boolean, op a, op b): a starts before b, to hint
     lengths = _memory(model, inst, start, makespan, befores) if inst.limit is not None else []
     for op in ops:
-        if op[1] == _W:  # every op is followed by a W of its stage and micro-batch (posts by their consumers)
-            model.add(makespan >= start[op] + inst.dur[op[0]][_W])
+        if op[1] == W_INDEX:  # every op is followed by a W of its stage and micro-batch (posts by their consumers)
+            model.add(makespan >= start[op] + inst.dur[op[0]][W_INDEX])
     limit_units = None if cutoff is None else math.floor(cutoff * inst.scale + 1e-6)
     if limit_units is not None:
         model.add(makespan <= limit_units)

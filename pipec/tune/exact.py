@@ -32,10 +32,10 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from pipec.errors import PipecError, PipecInputError
-from pipec.ir import MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas, loop_placement, v_placement
+from pipec.ir import MEMORY_TOLERANCE, Action, Program, activation_deltas, loop_placement, v_placement
 from pipec.sim.simulate import simulate
 from pipec.tune.clock import NODE_SECONDS, Clock
-from pipec.tune.instance import exact_times
+from pipec.tune.instance import F_INDEX, I_INDEX, KINDS, W_INDEX, exact_times
 
 if TYPE_CHECKING:
     from pipec.sim.costs import Costs
@@ -45,9 +45,7 @@ MAX_OPS = 64  # 3·P·M·V: beyond it the tree is too large for the bound to clo
 MAX_NODES = 2_000_000  # a deterministic cap besides the deadline
 _EPSILON = 1e-9  # a makespan gain below it is no gain
 MODELS = ("nccl", "ideal")
-_KINDS = (Kind.F, Kind.I, Kind.W)
-_F, _I, _W = 0, 1, 2
-_TRY = (_I, _F, _W)  # the order children of equal start are tried in: the list scheduler's priorities
+_TRY = (I_INDEX, F_INDEX, W_INDEX)  # the order children of equal start are tried in: the list scheduler's priorities
 
 
 @dataclass(frozen=True)
@@ -62,9 +60,7 @@ def small_enough(ranks: int, microbatches: int, chunks: int) -> bool:
     return 3 * ranks * microbatches * chunks <= MAX_OPS
 
 
-def exact_candidates(
-    setting: Setting, clock: Clock, deadline: float
-) -> Iterator[tuple[str, int, ExactResult | str]]:
+def exact_candidates(setting: Setting, clock: Clock, deadline: float) -> Iterator[tuple[str, int, ExactResult | str]]:
     """(name, V, result or why it was not run) for each V of the setting small enough, placements loop and v;
     the time to `deadline` of `clock` is shared among the searches left."""
     ranks, microbatches = setting.ranks, setting.microbatches
@@ -83,7 +79,7 @@ def exact_candidates(
             name="tuned", ranks=ranks, microbatches=microbatches, chunks=v, stage_to_rank=where, streams=((),) * ranks
         )
         costs = setting.stage_costs(v)
-        if min(min(costs.per_stage(stages)[k]) for k in _KINDS) <= 0:  # the same at every V: said once
+        if min(min(costs.per_stage(stages)[k]) for k in KINDS) <= 0:  # the same at every V: said once
             yield name, v, "an op of zero duration (the exact search needs positive durations)"
             return
         yield (
@@ -150,12 +146,12 @@ class _Search:
         self.where = template.stage_to_rank
         self.last = template.num_stages - 1
         # times in integer units of 1/scale (every duration a whole number of them): exact, and fast to add
-        self.scale, exact, message = exact_times(costs, self.last + 1, _KINDS)
-        self.dur = [[int(exact[k][s] * self.scale) for k in _KINDS] for s in range(self.last + 1)]
+        self.scale, exact, message = exact_times(costs, self.last + 1, KINDS)
+        self.dur = [[int(exact[k][s] * self.scale) for k in KINDS] for s in range(self.last + 1)]
         self.delay = int(message * self.scale)
         deltas = activation_deltas(input_fraction)
         sizes = [1.0] * (self.last + 1) if stage_sizes is None else [float(x) for x in stage_sizes]
-        self.delta = [[deltas[k] * sizes[s] for k in _KINDS] for s in range(self.last + 1)]
+        self.delta = [[deltas[k] * sizes[s] for k in KINDS] for s in range(self.last + 1)]
         # under nccl without overlap a rank also spends message_time posting each send (pipec.sim): F sends to the
         # next stage, I to the previous one, when it lives on another rank. Only the per-rank bound counts it.
         charged = model == "nccl" and not costs.overlap
@@ -171,7 +167,7 @@ class _Search:
         self.clock, self.deadline, self.max_nodes = clock, deadline, max_nodes
         # per (stage, kind): the next micro-batch; per op: its end (None until placed)
         self.count = [[0, 0, 0] for _ in range(self.last + 1)]
-        self.end: list[list[list[int | None]]] = [[[None] * self.n_mb for _ in _KINDS] for _ in range(self.last + 1)]
+        self.end: list[list[list[int | None]]] = [[[None] * self.n_mb for _ in KINDS] for _ in range(self.last + 1)]
         self.free = [0] * self.ranks
         self.live = [0.0] * self.ranks
         self.streams: list[list[Action]] = [[] for _ in range(self.ranks)]
@@ -179,21 +175,21 @@ class _Search:
         self.best_makespan: float | None = None
         self.cut: float | None = None
         self.nodes = 0
-        self.topo = [(s, _F, m) for s in range(self.last + 1) for m in range(self.n_mb)]
-        self.topo += [(s, _I, m) for s in range(self.last, -1, -1) for m in range(self.n_mb)]
-        self.topo += [(s, _W, m) for s in range(self.last + 1) for m in range(self.n_mb)]
+        self.topo = [(s, F_INDEX, m) for s in range(self.last + 1) for m in range(self.n_mb)]
+        self.topo += [(s, I_INDEX, m) for s in range(self.last, -1, -1) for m in range(self.n_mb)]
+        self.topo += [(s, W_INDEX, m) for s in range(self.last + 1) for m in range(self.n_mb)]
         self.tail = self._tails()
 
     # -- the static dependency graph ------------------------------------------------------------------------------
 
     def _inputs(self, s: int, k: int, m: int) -> list[tuple[int, int, int]]:
         """The ops (stage, kind, mb) that must end before this one starts: data, and the counter's previous mb."""
-        if k == _F:
-            out = [(s - 1, _F, m)] if s > 0 else []
-        elif k == _I:
-            out = [(s, _F, m)] + ([(s + 1, _I, m)] if s < self.last else [])
+        if k == F_INDEX:
+            out = [(s - 1, F_INDEX, m)] if s > 0 else []
+        elif k == I_INDEX:
+            out = [(s, F_INDEX, m)] + ([(s + 1, I_INDEX, m)] if s < self.last else [])
         else:
-            out = [(s, _I, m)]
+            out = [(s, I_INDEX, m)]
         return out + ([(s, k, m - 1)] if m > 0 else [])
 
     def _gap(self, a: int, b: int) -> int:
@@ -215,7 +211,7 @@ class _Search:
     def run(self) -> bool:
         """True when the search ended, False when the budget stopped it."""
         try:
-            self._branch(0, 0, 0, (self.last + 1) * len(_KINDS) * self.n_mb)
+            self._branch(0, 0, 0, (self.last + 1) * len(KINDS) * self.n_mb)
         except _BudgetEndedError:
             return False
         return True
@@ -318,7 +314,7 @@ class _Search:
             self.count[s][k] += 1
             self.free[rank] = end
             self.live[rank] = live + self.delta[s][k]
-            self.streams[rank].append(Action(s, _KINDS[k], m))
+            self.streams[rank].append(Action(s, KINDS[k], m))
             self._branch(start, rank, max(makespan, end), left - 1)
             self.streams[rank].pop()
             self.live[rank] = live

@@ -14,7 +14,7 @@ from pipec.ir import MEMORY_TOLERANCE, Action, Kind, Program, activation_deltas
 from pipec.sim.costs import Costs
 
 KINDS = (Kind.F, Kind.I, Kind.W)
-_F, _I, _W = 0, 1, 2
+F_INDEX, I_INDEX, W_INDEX = 0, 1, 2  # each kind's place in KINDS (and in per-kind rows: durations, memory)
 MODEL_IDEAL = "ideal"  # messages take message_time between producer and consumer, nothing else
 MODEL_POSTED = "posted sends"  # and the sender's rank spends message_time posting each send (overlap=0)
 
@@ -66,20 +66,20 @@ class Instance:
         """The least time from the start of F(s, m) to the start of its I (k = I) or W (k = W): the forward
         through the later stages, the input gradients back, and the messages between ranks on the way (a post
         holds its sender, not the message: the consumer may start message_time after the producer ends)."""
-        t = self.dur[s][_F]
+        t = self.dur[s][F_INDEX]
         for t_stage in range(s + 1, self.stages):  # forwards onwards
-            t += (self.delay if self.where[t_stage] != self.where[t_stage - 1] else 0) + self.dur[t_stage][_F]
+            t += (self.delay if self.where[t_stage] != self.where[t_stage - 1] else 0) + self.dur[t_stage][F_INDEX]
         for t_stage in range(self.stages - 2, s - 1, -1):  # input gradients back to stage s (its own I excluded)
             cross = self.where[t_stage] != self.where[t_stage + 1]
-            t += self.dur[t_stage + 1][_I] + (self.delay if cross else 0)
-        return t + (self.dur[s][_I] if k == _W else 0)
+            t += self.dur[t_stage + 1][I_INDEX] + (self.delay if cross else 0)
+        return t + (self.dur[s][I_INDEX] if k == W_INDEX else 0)
 
     def chain_to(self, s: int) -> int:
         """The earliest start of F(s, m): the forwards of the stages before it and their messages."""
         t = 0
         for t_stage in range(1, s + 1):
             cross = self.where[t_stage] != self.where[t_stage - 1]
-            t += self.dur[t_stage - 1][_F] + (self.delay if cross else 0)
+            t += self.dur[t_stage - 1][F_INDEX] + (self.delay if cross else 0)
         return t
 
     def rank_bound(self) -> int:
@@ -108,11 +108,11 @@ class Instance:
             area = sum(
                 -self.change[s][k] * self.chain(s, k) * self.n_mb
                 for s in mine
-                for k in (_I, _W)
+                for k in (I_INDEX, W_INDEX)
                 if self.change[s][k] < 0
             )
             first = min(self.chain_to(s) for s in mine)
-            last = min(self.dur[s][_W] for s in mine)
+            last = min(self.dur[s][W_INDEX] for s in mine)
             best = max(best, first + last + math.ceil(area / self.limit))
         return best
 
@@ -125,11 +125,11 @@ class Instance:
 
     def inputs(self, s: int, k: int, m: int) -> list[tuple[int, int, int]]:
         """The ops whose output this one consumes (its data dependencies)."""
-        if k == _F:
-            return [(s - 1, _F, m)] if s > 0 else []
-        if k == _I:
-            return [(s, _F, m)] + ([(s + 1, _I, m)] if s < self.stages - 1 else [])
-        return [(s, _I, m)]
+        if k == F_INDEX:
+            return [(s - 1, F_INDEX, m)] if s > 0 else []
+        if k == I_INDEX:
+            return [(s, F_INDEX, m)] + ([(s + 1, I_INDEX, m)] if s < self.stages - 1 else [])
+        return [(s, I_INDEX, m)]
 
     def crosses(self, producer: tuple[int, int, int], consumer: tuple[int, int, int]) -> bool:
         return self.where[producer[0]] != self.where[consumer[0]]
@@ -137,7 +137,7 @@ class Instance:
     def sends(self, op: tuple[int, int, int]) -> bool:
         """Whether the op's output goes to another rank (an F to the next stage, an I to the previous one)."""
         s, k, _ = op
-        target = s + 1 if k == _F else s - 1 if k == _I else -1
+        target = s + 1 if k == F_INDEX else s - 1 if k == I_INDEX else -1
         return 0 <= target < self.stages and self.where[target] != self.where[s]
 
     def earliest(self, streams: Sequence[Sequence[Action]]) -> dict[tuple[int, int, int], int] | None:

@@ -173,10 +173,11 @@ def _solver_phase(
     workers: int,
 ) -> tuple[Certificate, bool]:
     """Phase 4 with CP-SAT: one model per V of --chunks and placement (loop; v too at V > 1), each warm-started
-    from the best verified order of its shape so far and cut off at tune's best makespan, the time to `deadline`
-    shared among the solves left by weight 1/V^2 (one that proves early leaves its rest to the next). What is
-    left after them goes to the shapes not proved, solved again from the best order then known (up to RESOLVES
-    times; a shape's bound is the greatest of its solves'). Returns the certificate and whether every solve ended."""
+    from the best verified order of its shape so far and cut off at tune's best makespan (a shape behind it gap
+    first, `_gap_first`), the time to `deadline` shared among the solves left by weight 1/V^2 (one that proves
+    early leaves its rest to the next). What is left after them goes to the shapes not proved, solved again from
+    the best order then known (up to RESOLVES times; a shape's bound is the greatest of its solves'). Returns the
+    certificate and whether every solve ended."""
     jobs = [(v, placement) for v in setting.chunks for placement in (("loop", "v") if v > 1 else ("loop",))]
     shapes = {_placed_as(setting.ranks, v, placement) for v, placement in jobs}
     # within a V, the placement whose best order is faster first: the cutoff of the other is then the tighter

@@ -286,8 +286,13 @@ def _solve_shape(
             clock=clock,
         )
 
+    own = _shape_best(tried, where)
+    known = before.bound if before is not None and before.bound is not None else 0.0  # the shape's bound so far
+    if own > cutoff + _EPSILON:  # behind: the cheap bound may show the gap already (no first solve then)
+        sizes = setting.stage_sizes(v)
+        known = max(known, cpsat.cheap_bound(template, costs, setting.limit, setting.costs.input_fraction, sizes))
     scale = exact_times(costs, len(where), KINDS)[0]
-    found = _gap_first(solve_below, lambda: clock.left(share_end), cutoff, _shape_best(tried, where), before, scale)
+    found = _gap_first(solve_below, lambda: clock.left(share_end), cutoff, own, known, scale)
     took = found.seconds + (before.seconds if before is not None else 0.0)
     if found.infeasible:
         proofs[job] = Proof(v, placement, math.inf, True, took)
@@ -323,18 +328,17 @@ def _gap_first(
     time_left: Callable[[], float],
     cutoff: float,
     own: float,
-    before: Proof | None,
+    known: float,
     scale: int,
 ) -> cpsat.SolverResult:
     """A shape's solve below `cutoff` (tune's best), gap first when the shape is behind (its own best `own` above
-    the cutoff, so no hint of it fits) and its bound (`before`) more than CERTIFY_GAP below: first below the
+    the cutoff, so no hint of it fits) and its bound so far (`known`) more than CERTIFY_GAP below: first below the
     greatest makespan in the model's unit (1/`scale`) under cutoff / (1 + CERTIFY_GAP), then, when that finds no
     order, below the cutoff in the time left. Refuting orders well below a shape's optimum is quick, near it slow
     (measured at P=4, M=8, X=2, V=2, I=2F, comm=0.5, placement loop, one worker: none at or below 61.5 in 3.2
     units of deterministic time, none at or below 62.5 in 12.8), so a solve that the budget cuts still leaves the
     run's bound within the gap of tune's best. An order found in the first is faster than tune's best by more
     than the gap, and that solve goes on from it as one at the cutoff would."""
-    known = before.bound if before is not None and before.bound is not None else 0.0
     if math.isinf(cutoff) or own <= cutoff + _EPSILON or known * (1 + CERTIFY_GAP) >= cutoff:
         return solve_below(cutoff)
     first = solve_below((math.ceil(cutoff * scale / (1 + CERTIFY_GAP) - 1e-9) - 1) / scale)

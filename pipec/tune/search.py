@@ -259,10 +259,14 @@ def _solve_shape(
     # of one copy only: a replicated schedule placed alike (dualpipe, placement v) is another model's order
     shape = [c for c in tried if _one_copy_placed_as(c, where)]
     hint = min(shape, key=Candidate.key).program.compute_streams() if shape else None  # type: ignore[union-attr]
-    costs = setting.stage_costs(v)
+    costs, sizes = setting.stage_costs(v), setting.stage_sizes(v)
     before = proofs.get(job)
-    if starved:  # its time goes to the local moves; its bound is the cheap one (per rank, memory)
-        bound = cpsat.cheap_bound(template, costs, setting.limit, setting.costs.input_fraction, setting.stage_sizes(v))
+
+    def cheap_bound() -> float:  # per rank, memory: without solving
+        return cpsat.cheap_bound(template, costs, setting.limit, setting.costs.input_fraction, sizes)
+
+    if starved:  # its time goes to the local moves; its bound is the cheap one
+        bound = cheap_bound()
         proofs[job] = Proof(v, placement, bound, False)
         why = "not solved: a smaller model found no order in its share of the time budget"
         note(Candidate(name, (), v, None, None, None, SKIPPED, why, phase=4, bound=bound), "solver")
@@ -277,7 +281,7 @@ def _solve_shape(
             costs,
             setting.limit,
             setting.costs.input_fraction,
-            setting.stage_sizes(v),
+            sizes,
             clock.left(share_end),
             hint,
             seed + again,
@@ -286,13 +290,11 @@ def _solve_shape(
             clock=clock,
         )
 
-    own = _shape_best(tried, where)
-    known = before.bound if before is not None and before.bound is not None else 0.0  # the shape's bound so far
-    if own > cutoff + _EPSILON:  # behind: the cheap bound may show the gap already (no first solve then)
-        sizes = setting.stage_sizes(v)
-        known = max(known, cpsat.cheap_bound(template, costs, setting.limit, setting.costs.input_fraction, sizes))
+    def known() -> float:  # the shape's bound so far: its last solve's, or the cheap one
+        return max(before.bound if before is not None and before.bound is not None else 0.0, cheap_bound())
+
     scale = exact_times(costs, len(where), KINDS)[0]
-    found = _gap_first(solve_below, lambda: clock.left(share_end), cutoff, own, known, scale)
+    found = _gap_first(solve_below, lambda: clock.left(share_end), cutoff, _shape_best(tried, where), known, scale)
     took = found.seconds + (before.seconds if before is not None else 0.0)
     if found.infeasible:
         proofs[job] = Proof(v, placement, math.inf, True, took)
@@ -328,18 +330,18 @@ def _gap_first(
     time_left: Callable[[], float],
     cutoff: float,
     own: float,
-    known: float,
+    known: Callable[[], float],
     scale: int,
 ) -> cpsat.SolverResult:
     """A shape's solve below `cutoff` (tune's best), gap first when the shape is behind (its own best `own` above
-    the cutoff, so no hint of it fits) and its bound so far (`known`) more than CERTIFY_GAP below: first below the
-    greatest makespan in the model's unit (1/`scale`) under cutoff / (1 + CERTIFY_GAP), then, when that finds no
-    order, below the cutoff in the time left. Refuting orders well below a shape's optimum is quick, near it slow
-    (measured at P=4, M=8, X=2, V=2, I=2F, comm=0.5, placement loop, one worker: none at or below 61.5 in 3.2
-    units of deterministic time, none at or below 62.5 in 12.8), so a solve that the budget cuts still leaves the
-    run's bound within the gap of tune's best. An order found in the first is faster than tune's best by more
-    than the gap, and that solve goes on from it as one at the cutoff would."""
-    if math.isinf(cutoff) or own <= cutoff + _EPSILON or known * (1 + CERTIFY_GAP) >= cutoff:
+    the cutoff, so no hint of it fits) and its bound so far (`known()`, asked only then) more than CERTIFY_GAP
+    below: first below the greatest makespan in the model's unit (1/`scale`) under cutoff / (1 + CERTIFY_GAP),
+    then, when that finds no order, below the cutoff in the time left. Refuting orders well below a shape's optimum
+    is quick, near it slow (measured at P=4, M=8, X=2, V=2, I=2F, comm=0.5, placement loop, one worker: none at or
+    below 61.5 in 3.2 units of deterministic time, none at or below 62.5 in 12.8), so a solve that the budget cuts
+    still leaves the run's bound within the gap of tune's best. An order found in the first is faster than tune's
+    best by more than the gap, and that solve goes on from it as one at the cutoff would."""
+    if math.isinf(cutoff) or own <= cutoff + _EPSILON or known() * (1 + CERTIFY_GAP) >= cutoff:
         return solve_below(cutoff)
     first = solve_below((math.ceil(cutoff * scale / (1 + CERTIFY_GAP) - 1e-9) - 1) / scale)
     if first.orders is not None or not first.optimal:

@@ -231,21 +231,21 @@ def test_a_shape_behind_first_proves_the_gap_then_looks_below_tunes_best() -> No
         return solve(2, 4, "F=1,I=2,W=1", 2, cutoff=limit)[0]
 
     # tune's best is the optimum: nothing below the gap, then the optimum itself, proved
-    found = _gap_first(solve_below, lambda: left[0], best, best + 3, 0.0, 2)
+    found = _gap_first(solve_below, lambda: left[0], best, best + 3, lambda: 0.0, 2)
     assert len(asked) == 2 and asked[1] == best and asked[0] < best / (1 + CERTIFY_GAP) <= asked[0] + 0.5
     assert found.optimal and found.makespan == best and found.bound == best
     # no time for the second solve: the gap is proved, the shape is not
     asked.clear()
     left[0] = 0.0
-    gap_only = _gap_first(solve_below, lambda: left[0], best, best + 3, 0.0, 2)
+    gap_only = _gap_first(solve_below, lambda: left[0], best, best + 3, lambda: 0.0, 2)
     assert len(asked) == 1 and gap_only.orders is None and not gap_only.optimal
     assert best / (1 + CERTIFY_GAP) <= gap_only.bound <= best
     # tune's best far above the optimum: the first solve finds the optimum and is the result
     asked.clear()
-    far = _gap_first(solve_below, lambda: left[0], best * 1.5, best * 2, 0.0, 2)
+    far = _gap_first(solve_below, lambda: left[0], best * 1.5, best * 2, lambda: 0.0, 2)
     assert len(asked) == 1 and far.optimal and far.makespan == best
     # the shape holds tune's best, or its bound is already within the gap: one solve below tune's best
     for own, known in ((best, 0.0), (best + 3, best / (1 + CERTIFY_GAP) + 0.1)):
         asked.clear()
-        alone = _gap_first(solve_below, lambda: left[0], best, own, known, 2)
+        alone = _gap_first(solve_below, lambda: left[0], best, own, lambda known=known: known, 2)
         assert asked == [best] and alone.optimal and alone.makespan == best

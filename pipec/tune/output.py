@@ -154,6 +154,10 @@ def summary_text(result: TuneResult, output: str | None) -> str:
         lines.append(f"{best.name} holds {copies} copies of the model: {copies}x its weights and their gradients, "
                      "which the activation limit does not count")
     lines.append(certificate_text(result))
+    others = _shapes_proved(result)
+    if others:
+        shown = ", ".join(f"{_shape_of(c)} at {c.makespan:g} (row {row})" for row, c in others)
+        lines.append(f"the best of another shape, proved optimal for it: {shown}")
     if not result.complete:
         lines.append("the time budget ended the search early (--time-budget): a longer one may find better")
     if output is not None:
@@ -241,10 +245,29 @@ def _space(result: TuneResult) -> str:
     return f"V={chunks} (placements loop{' and v' if any(p.placement == 'v' for p in cert.proofs) else ''})"
 
 
+def _shape_of(c: Candidate) -> str:
+    """A solver row's V and placement."""
+    return f"V={c.chunks} {'v' if c.name.endswith('-v') else 'loop'}"
+
+
+def _shapes_proved(result: TuneResult) -> list[tuple[int, Candidate]]:
+    """The solver rows of shapes other than the best's whose order is proved optimal for their shape (a shape
+    that cannot win has its own optimum sought: for a user who keeps that V), with their row numbers."""
+    best = result.best
+    placed = [] if best is None or best.program is None else [best.program.stage_to_rank]
+    found = []
+    for row, c in enumerate((c for c in result.candidates if c.ok), start=1):
+        assert c.program is not None
+        if c.phase == 4 and proves_optimal(c.makespan, c.bound) and c.program.stage_to_rank not in placed:
+            placed.append(c.program.stage_to_rank)
+            found.append((row, c))
+    return found
+
+
 def _row_proof(c: Candidate) -> str:
     """A solver row's own certificate: for its V and placement."""
     assert c.bound is not None and c.program is not None
-    shape = f"V={c.chunks} {'v' if c.name.endswith('-v') else 'loop'}"
+    shape = _shape_of(c)
     if proves_optimal(c.makespan, c.bound):
         return f"proved optimal for {shape}"
     gap = gap_to(c.makespan, c.bound)
@@ -268,6 +291,11 @@ def _certificate_json(result: TuneResult) -> dict:
             "model": cert.model,
             "relaxation": cert.relaxed,
             "space": {"chunks": list(result.setting.chunks), "placements": ["loop", "v"]},
+            # the best order of another shape, proved optimal for that shape (its row in `candidates`, from 1)
+            "shape_optima": [
+                {"chunks": c.chunks, "placement": _shape_of(c).split()[1], "makespan": c.makespan, "row": row}
+                for row, c in _shapes_proved(result)
+            ],
             "proofs": [
                 {
                     "chunks": p.chunks,

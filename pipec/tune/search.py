@@ -58,6 +58,7 @@ RESOLVES = 2  # the most times a shape not proved is solved again with the time 
 RESOLVE_SECONDS = 2.0  # the least time for a solve again (less gets no further than the last one)
 # a shape's solve below another shape's best first proves its bound within this of it (`_gap_first`)
 CERTIFY_GAP = 0.02
+OWN_SHARE = 0.5  # of a shape's share left after its proof that it cannot win, for its own optimum (_solve_shape)
 LATE_SEEDS = 4  # the most `late` re-solves (one a seed) that _closer tries for an order nccl runs slower
 LATE_SECONDS = 3.0  # the least time for one of them (measured: 1 s often stops short of the latest orders)
 PLACEMENT_SHARE = 0.1  # of the budget, kept from phase 3 for placing the best order's send/recv (_placed)
@@ -275,14 +276,14 @@ def _solve_shape(
     cutoff = min((_shape_best(tried, other) for other in shapes), default=math.inf)
     share_end = clock.after(clock.left(deadline) * fraction)
 
-    def solve_below(limit: float) -> cpsat.SolverResult:
+    def solve_below(limit: float, until: float = share_end) -> cpsat.SolverResult:
         return cpsat.solve(
             template,
             costs,
             setting.limit,
             setting.costs.input_fraction,
             sizes,
-            clock.left(share_end),
+            clock.left(until),
             hint,
             seed + again,
             workers,
@@ -300,8 +301,19 @@ def _solve_shape(
         proofs[job] = Proof(v, placement, math.inf, True, took)
         note(Candidate(name, (), v, None, None, None, ERROR, "no order fits the limit (proved)", phase=4), "solver")
         return found.model, True, False
+    own = _shape_best(tried, where)
+    cannot_win = found.orders is None and found.optimal  # proved: no order of it is faster than the cutoff
+    own_optimum = False  # found: the shape's own best, not an order that could win
+    if cannot_win and not again and cutoff + _EPSILON < own < math.inf:
+        # proved unable to win: its own optimum is still worth knowing (a user who keeps this V reads its row),
+        # sought from its own best in at most OWN_SHARE of the share left, the rest passing on as before
+        mine = solve_below(own, clock.after(clock.left(share_end) * OWN_SHARE))
+        if mine.orders is not None:
+            found = replace(mine, bound=max(found.bound, mine.bound or 0.0))  # type: ignore[type-var]
+            own_optimum = True
+        took += mine.seconds
     bounds = [b for b in (found.bound, before.bound if before is not None else None) if b is not None]
-    solved = found.optimal or (before is not None and before.solved)
+    solved = cannot_win or found.optimal or (before is not None and before.solved)
     proofs[job] = Proof(v, placement, max(bounds) if bounds else None, solved, took)
     bound = proofs[job].bound
     if found.orders is None:
@@ -317,7 +329,9 @@ def _solve_shape(
         return found.model, True, not found.optimal and _shape_best(tried, where) <= cutoff + _EPSILON
     candidate = evaluate(name, (), found.orders, setting, clock=clock, phase=4, bound=bound)
     finished = True
-    if candidate.ok and found.makespan is not None and candidate.makespan > found.makespan + _EPSILON:  # type: ignore[operator]
+    # an order nccl runs slower than the model brought closer, unless it is a shape's own best that cannot win
+    slower = candidate.ok and found.makespan is not None and candidate.makespan > found.makespan + _EPSILON  # type: ignore[operator]
+    if slower and not own_optimum:
         until = clock.after(clock.left(deadline) * fraction)
         candidate, finished = _closer(candidate, found, template, setting, clock, until, seed, workers)
     if not again or (candidate.ok and candidate.makespan < _shape_best(tried, where) - _EPSILON):  # type: ignore[operator]

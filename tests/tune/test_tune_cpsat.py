@@ -249,3 +249,31 @@ def test_a_shape_behind_first_proves_the_gap_then_looks_below_tunes_best() -> No
         asked.clear()
         alone = _gap_first(solve_below, lambda: left[0], best, own, lambda known=known: known, 2)
         assert asked == [best] and alone.optimal and alone.makespan == best
+
+
+# tmp_path is only the working folder of run_main: nothing is written there
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(i=st.sampled_from([1, 2]), w=st.sampled_from([1, 2]), limit=st.sampled_from([1, 1.5]))
+@example(i=2, w=1, limit=1)
+def test_a_shape_that_cannot_win_gets_its_own_optimum_proved_as_the_brute_force_finds_it(
+    tmp_path: Path, i: int, w: int, limit: float
+) -> None:
+    # search._solve_shape: V=1 proved unable to beat V=2's best is then solved for its own best, whose row and
+    # summary say it is optimal for V=1; the brute force over every V=1 order is the independent check
+    cost = f"F=1,I={i},W={w}"
+    argv = ["tune", "-P", "2", "-M", "3", "--cost", cost, "--memory-limit", str(limit), "--chunks", "1,2"]
+    code, raw, err = run_main([*argv, "--time-budget", "8", "--format", "json"], tmp_path)
+    assert code == 0, err
+    data = json.loads(raw)
+    _, v1_optimum = brute_force(2, 3, cost, limit)
+    assert v1_optimum is not None and data["chunks"] == 2 and data["makespan"] < v1_optimum  # V=2 wins
+    (v1,) = [c for c in data["candidates"] if c["name"] == "cpsat" and c["chunks"] == 1]
+    assert v1["verdict"] == "ok" and v1["makespan"] == pytest.approx(v1_optimum) == pytest.approx(v1["bound"])
+    optima = {(o["chunks"], o["placement"]): o for o in data["bound"]["shape_optima"]}
+    assert optima[1, "loop"]["makespan"] == pytest.approx(v1_optimum)
+    assert data["candidates"][optima[1, "loop"]["row"] - 1] == v1
+    (proof,) = [p for p in data["bound"]["proofs"] if p["chunks"] == 1]
+    assert proof["solved"] and proof["bound"] == pytest.approx(v1_optimum)
+    code, text, err = run_main([*argv, "--time-budget", "8"], tmp_path)
+    assert code == 0 and f"V=1 loop at {v1_optimum:g} (row {optima[1, 'loop']['row']})" in text
+    assert "the best of another shape, proved optimal for it: " in text

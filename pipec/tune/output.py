@@ -245,9 +245,14 @@ def _space(result: TuneResult) -> str:
     return f"V={chunks} (placements loop{' and v' if any(p.placement == 'v' for p in cert.proofs) else ''})"
 
 
+def _placement_of(c: Candidate) -> str:
+    """A solver row's placement (cpsat-v: v)."""
+    return "v" if c.name.endswith("-v") else "loop"
+
+
 def _shape_of(c: Candidate) -> str:
     """A solver row's V and placement."""
-    return f"V={c.chunks} {'v' if c.name.endswith('-v') else 'loop'}"
+    return f"V={c.chunks} {_placement_of(c)}"
 
 
 def _shapes_proved(result: TuneResult) -> list[tuple[int, Candidate]]:
@@ -293,7 +298,7 @@ def _certificate_json(result: TuneResult) -> dict:
             "space": {"chunks": list(result.setting.chunks), "placements": ["loop", "v"]},
             # the best order of another shape, proved optimal for that shape (its row in `candidates`, from 1)
             "shape_optima": [
-                {"chunks": c.chunks, "placement": _shape_of(c).split()[1], "makespan": c.makespan, "row": row}
+                {"chunks": c.chunks, "placement": _placement_of(c), "makespan": c.makespan, "row": row}
                 for row, c in _shapes_proved(result)
             ],
             "proofs": [

@@ -295,13 +295,13 @@ def _solve_shape(
         return max(before.bound if before is not None and before.bound is not None else 0.0, cheap_bound())
 
     scale = exact_times(costs, len(where), KINDS)[0]
-    found = _gap_first(solve_below, lambda: clock.left(share_end), cutoff, _shape_best(tried, where), known, scale)
+    own = _shape_best(tried, where)  # the shape's best so far (nothing is noted until the end)
+    found = _gap_first(solve_below, lambda: clock.left(share_end), cutoff, own, known, scale)
     took = found.seconds + (before.seconds if before is not None else 0.0)
     if found.infeasible:
         proofs[job] = Proof(v, placement, math.inf, True, took)
         note(Candidate(name, (), v, None, None, None, ERROR, "no order fits the limit (proved)", phase=4), "solver")
         return found.model, True, False
-    own = _shape_best(tried, where)
     cannot_win = found.orders is None and found.optimal  # proved: no order of it is faster than the cutoff
     own_optimum = False  # found: the shape's own best, not an order that could win
     if cannot_win and not again and cutoff + _EPSILON < own < math.inf:
@@ -326,7 +326,7 @@ def _solve_shape(
         note(Candidate(name, (), v, None, None, None, SKIPPED, why, phase=4, bound=bound), "solver")
         # starved: with its own best as the hint it found none; one only cut off below another shape's best
         # says nothing of the larger models
-        return found.model, True, not found.optimal and _shape_best(tried, where) <= cutoff + _EPSILON
+        return found.model, True, not found.optimal and own <= cutoff + _EPSILON
     candidate = evaluate(name, (), found.orders, setting, clock=clock, phase=4, bound=bound)
     finished = True
     # an order nccl runs slower than the model brought closer, unless it is a shape's own best that cannot win
@@ -334,7 +334,7 @@ def _solve_shape(
     if slower and not own_optimum:
         until = clock.after(clock.left(deadline) * fraction)
         candidate, finished = _closer(candidate, found, template, setting, clock, until, seed, workers)
-    if not again or (candidate.ok and candidate.makespan < _shape_best(tried, where) - _EPSILON):  # type: ignore[operator]
+    if not again or (candidate.ok and candidate.makespan < own - _EPSILON):  # type: ignore[operator]
         note(candidate, "solver")
     return found.model, finished, False
 

@@ -1,6 +1,6 @@
 """`pipec tune` benchmark: time to a result, and tune against the best library schedule.
 
-    python bench/tune.py                           # (4,8), (8,24), (16,64); F=I=W=1, limit P, tune's 60 s budget
+    python bench/tune.py                           # (4,8), (8,24), (16,64); F=I=W=1, limit P, tune's default budget
     python bench/tune.py --sizes 8,24 --cost F=1,I=2,W=1,comm=0.5 --limit-factor 0.75 --time-budget 60
     python bench/tune.py --grid                    # the issue's grid: worst case of tune / best library schedule
     python bench/tune.py --gap-grid --gap-ranks 4  # tune's gap to the proven optimum, without and with CP-SAT
@@ -28,6 +28,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from pipec.tune.clock import DEFAULT_BUDGET
 
 ROOT = Path(__file__).resolve().parent.parent
 MIXES = ("1:1:1", "1:2:1", "1:1:2", "last-slow")
@@ -259,10 +261,15 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=["4,8", "8,24", "16,64"], metavar="P,M")
     parser.add_argument("--cost", default="F=1,I=1,W=1")
     parser.add_argument("--limit-factor", type=float, default=1.0, help="the memory limit as a multiple of P")
-    parser.add_argument("--time-budget", type=float, default=60.0)
+    parser.add_argument("--time-budget", type=float, default=DEFAULT_BUDGET, help="default: tune's own")
     parser.add_argument("--chunks", default="1,2,4")
     parser.add_argument("--grid", action="store_true", help="run the issue's grid instead")
-    parser.add_argument("--grid-budget", type=float, default=1.0, help="seconds of search per grid case")
+    parser.add_argument(
+        "--grid-budget",
+        type=float,
+        help="seconds of budget per grid case (default: 1 for --grid; tune's own default for --gap-grid, the budget "
+        "the issue's certificate is asked within)",
+    )
     parser.add_argument("--gap-grid", action="store_true", help="tune's gap to the solver's bound, before and after")
     parser.add_argument("--gap-ranks", type=int, nargs="+", default=[4, 8], metavar="P")
     parser.add_argument("--comm", type=float, default=0.0, help="--gap-grid: the message time")
@@ -287,6 +294,8 @@ def main() -> None:
     args = parser.parse_args()
     args.sizes = [tuple(int(x) for x in s.split(",")) for s in args.sizes]
     args.chunks_t = tuple(int(x) for x in args.chunks.split(","))
+    if args.grid_budget is None:
+        args.grid_budget = DEFAULT_BUDGET if args.gap_grid else 1.0
     if args.gap_grid:
         gap_grid_mode(args)
     else:

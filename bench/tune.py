@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import sys
 import time
@@ -187,7 +186,9 @@ def gap_grid_mode(args: argparse.Namespace) -> None:
         f"{'case':<34} {'before':>8} {'unplaced':>9} {'after':>8} {'bound':>8} {'gap before':>10} {'gap after':>9} "
         f"{'proof s':>7}  tune s"
     )
-    worst_before = worst_after = worst_unplaced = 0.0
+    worst_after = 0.0
+    worst_before: float | None = None  # None: that run was left out (--gap-skip-before, or comm = 0 for unplaced)
+    worst_unplaced: float | None = None
     placed = search._placed
     available = cpsat.available
     for ranks in args.gap_ranks:
@@ -222,14 +223,15 @@ def gap_grid_mode(args: argparse.Namespace) -> None:
                     checked = f" check {recheck(result, {**cost_map(mix, ranks), 'comm': args.comm})}"
                     bound = cert.bound
                     gap_a = after.makespan / bound - 1  # type: ignore[operator]
-                    gap_b = math.nan if before is None else before.makespan / bound - 1  # type: ignore[operator]
                     worst_after = max(worst_after, gap_a)
-                    worst_before = worst_before if before is None else max(worst_before, gap_b)
-                    shown_before = "-" if before is None else f"{before.makespan:g}"
-                    shown_gap_b = "-" if before is None else f"{gap_b:.2%}"
-                    middle = "-" if unplaced is None else f"{unplaced.makespan:g}"
+                    shown_before = shown_gap_b = middle = "-"
+                    if before is not None:
+                        gap_b = before.makespan / bound - 1  # type: ignore[operator]
+                        worst_before = max(worst_before or 0.0, gap_b)
+                        shown_before, shown_gap_b = f"{before.makespan:g}", f"{gap_b:.2%}"
                     if unplaced is not None:
-                        worst_unplaced = max(worst_unplaced, unplaced.makespan / bound - 1)  # type: ignore[operator]
+                        worst_unplaced = max(worst_unplaced or 0.0, unplaced.makespan / bound - 1)  # type: ignore[operator]
+                        middle = f"{unplaced.makespan:g}"
                     proof = f"{sum(p.seconds for p in cert.proofs):.1f}" if all(p.solved for p in cert.proofs) else "-"
                     print(
                         f"{f'P={ranks} M={microbatches} X={limit:g} {mix}':<34} {shown_before:>8} "
@@ -237,11 +239,9 @@ def gap_grid_mode(args: argparse.Namespace) -> None:
                         f"{time.monotonic() - began:.1f} (CPU {time.process_time() - began_cpu:.1f}){checked}",
                         flush=True,
                     )
-    if args.gap_skip_before:  # neither 'before' nor 'unplaced' ran: their worst would read as 0%
-        print(f"worst gap to the bound: {worst_after:.2%}")
-        return
-    print(f"worst gap to the bound: before {worst_before:.2%}, after {worst_after:.2%}", end="")
-    print(f" (solver with place_p2p only: {worst_unplaced:.2%})" if args.comm > 0 else "")
+    before_part = "" if worst_before is None else f"before {worst_before:.2%}, after "
+    unplaced_part = "" if worst_unplaced is None else f" (solver with place_p2p only: {worst_unplaced:.2%})"
+    print(f"worst gap to the bound: {before_part}{worst_after:.2%}{unplaced_part}")
 
 
 def recheck(result, costs_map: dict) -> int:

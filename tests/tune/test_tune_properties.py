@@ -5,7 +5,7 @@ pipec.compile (send/recv placed for the costs), verified within the limit and si
 tune's winner is written as tune writes it and re-checked by `pipec check FILE --per-rank-share --cost ...
 --memory-limit X`. Hypothesis draws from the issue's grid at small P (P 2..4, M in {P, 2P, 3P}, X in {0.5, 1,
 1.5, 2} x P, the cost mixes 1:1:1, 1:2:1, 1:1:2, a last stage twice as slow, and random costs and limits); a few
-explicit points cover larger P. The whole grid runs in bench/tune_grid.py.
+explicit points cover larger P. The whole grid runs in `python bench/tune.py --grid`.
 """
 
 from __future__ import annotations

@@ -14,13 +14,15 @@ work earlier (the makespan, then the sum of the ops' end times, decreases: plate
 crossing them is what finds the faster orders), in a seeded order, first improvement, until no move helps or its
 time runs out; 4, the exact phase: with OR-tools, a CP-SAT model per V and placement (pipec.tune.cpsat),
 warm-started from the best order of its shape so far, whose lower bounds make the certificate (`Certificate`:
-proved optimal, or within a gap); without it, for small sizes (3·P·M·V <= 64), the branch and bound
-(pipec.tune.exact). Without the solver the order is 1, 2, 4, 3 (tune before the solver). With it, 1, 2, 3 on the
-best orders of phases 1 and 2 (tune without the solver, as it runs alone: so tune is never worse than it when
-those moves end), then 4, then 3 again on the solver's orders not at its bound. A solver order that runs slower
-under nccl than in the model, tune's own best and the winner at the end get their send/recv placed again from the
-timing (pipec.tune.placement; `_closer`, `_placed`), kept when that verifies and runs faster; such a candidate is
-written with its send/recv (`own_placement`).
+proved optimal, or within a gap; the solve gets three quarters of its shape's share, the rest refutes makespans
+below its best when it ends unproved, and a shape behind tune's best refutes the gap first: pipec.tune.refutation);
+without it, for small sizes (3·P·M·V <= 64), the branch and bound (pipec.tune.exact). Without the solver the order
+is 1, 2, 4, 3 (tune before the solver). With it, 1, 2, 3 on the best orders of phases 1 and 2 (tune without the
+solver, as it runs alone: so tune is never worse than it when those moves end), then 4, then 3 again on the
+solver's orders not at its bound. A solver order that runs slower under nccl than in the model, tune's own best and
+the winner at the end get their send/recv placed again from the timing (pipec.tune.placement; `_closer`,
+`_placed`), kept when that verifies and runs faster; such a candidate is written with its send/recv
+(`own_placement`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from pipec.tune.exact import ExactResult, exact_candidates
 from pipec.tune.greedy import listed_orders
 from pipec.tune.instance import KINDS, exact_times
 from pipec.tune.moves import local_moves
+from pipec.tune.refutation import gap_first
 from pipec.tune.setting import Setting
 from pipec.tune.space import Draw, draws
 
@@ -56,8 +59,6 @@ SOLVER_SHARE = 0.5  # of the time left after phase 2, for phase 4 (with the solv
 SOLVER_AFTER_MOVES = 0.9  # of the time left after the solver's start, for the solver (the rest: moves on its orders)
 RESOLVES = 2  # the most times a shape not proved is solved again with the time its first solve left
 RESOLVE_SECONDS = 2.0  # the least time for a solve again (less gets no further than the last one)
-# a shape's solve below another shape's best first proves its bound within this of it (`_gap_first`)
-CERTIFY_GAP = 0.02
 OWN_SHARE = 0.5  # of a shape's share left after its proof that it cannot win, for its own optimum (_solve_shape)
 LATE_SEEDS = 4  # the most `late` re-solves (one a seed) that _closer tries for an order nccl runs slower
 LATE_SECONDS = 3.0  # the least time for one of them (measured: 1 s often stops short of the latest orders)
@@ -175,7 +176,7 @@ def _solver_phase(
 ) -> tuple[Certificate, bool]:
     """Phase 4 with CP-SAT: one model per V of --chunks and placement (loop; v too at V > 1), each warm-started
     from the best verified order of its shape so far and cut off at tune's best makespan (a shape behind it gap
-    first, `_gap_first`), the time to `deadline` shared among the solves left by weight 1/V^2 (one that proves
+    first, pipec.tune.refutation), the time to `deadline` shared among the solves left by weight 1/V^2 (one that proves
     early leaves its rest to the next). What is left after them goes to the shapes not proved, solved again from
     the best order then known (up to RESOLVES times; a shape's bound is the greatest of its solves'). Returns the
     certificate and whether every solve ended."""
@@ -276,14 +277,14 @@ def _solve_shape(
     cutoff = min((_shape_best(tried, other) for other in shapes), default=math.inf)
     share_end = clock.after(clock.left(deadline) * fraction)
 
-    def solve_below(limit: float, until: float = share_end) -> cpsat.SolverResult:
+    def solve_below(limit: float, share: float = 1.0) -> cpsat.SolverResult:  # in `share` of the share's time left
         return cpsat.solve(
             template,
             costs,
             setting.limit,
             setting.costs.input_fraction,
             sizes,
-            clock.left(until),
+            clock.left(share_end) * share,
             hint,
             seed + again,
             workers,
@@ -296,7 +297,7 @@ def _solve_shape(
 
     scale = exact_times(costs, len(where), KINDS)[0]
     own = _shape_best(tried, where)  # the shape's best so far (nothing is noted until the end)
-    found = _gap_first(solve_below, lambda: clock.left(share_end), cutoff, own, known, scale)
+    found = gap_first(solve_below, lambda: clock.left(share_end), cutoff, own, known, scale)
     took = found.seconds + (before.seconds if before is not None else 0.0)
     if found.infeasible:
         proofs[job] = Proof(v, placement, math.inf, True, took)
@@ -307,7 +308,7 @@ def _solve_shape(
     if cannot_win and not again and cutoff + _EPSILON < own < math.inf:
         # proved unable to win: its own optimum is still worth knowing (a user who keeps this V reads its row),
         # sought from its own best in at most OWN_SHARE of the share left, the rest passing on as before
-        mine = solve_below(own, clock.after(clock.left(share_end) * OWN_SHARE))
+        mine = solve_below(own, OWN_SHARE)
         if mine.orders is not None:
             found = replace(mine, bound=max(found.bound, mine.bound or 0.0))  # type: ignore[type-var]
             own_optimum = True
@@ -337,37 +338,6 @@ def _solve_shape(
     if not again or (candidate.ok and candidate.makespan < own - _EPSILON):  # type: ignore[operator]
         note(candidate, "solver")
     return found.model, finished, False
-
-
-def _gap_first(
-    solve_below: Callable[[float], cpsat.SolverResult],
-    time_left: Callable[[], float],
-    cutoff: float,
-    own: float,
-    known: Callable[[], float],
-    scale: int,
-) -> cpsat.SolverResult:
-    """A shape's solve below `cutoff` (tune's best), gap first when the shape is behind (its own best `own` above
-    the cutoff, so no hint of it fits) and its bound so far (`known()`, asked only then) more than CERTIFY_GAP
-    below: first below the greatest makespan in the model's unit (1/`scale`) under cutoff / (1 + CERTIFY_GAP),
-    then, when that finds no order, below the cutoff in the time left. Refuting orders well below a shape's optimum
-    is quick, near it slow (measured at P=4, M=8, X=2, V=2, I=2F, comm=0.5, placement loop, one worker: none at or
-    below 61.5 in 3.2 units of deterministic time, none at or below 62.5 in 12.8), so a solve that the budget cuts
-    still leaves the run's bound within the gap of tune's best. An order found in the first is faster than tune's
-    best by more than the gap, and that solve goes on from it as one at the cutoff would."""
-    if math.isinf(cutoff) or own <= cutoff + _EPSILON or known() * (1 + CERTIFY_GAP) >= cutoff:
-        return solve_below(cutoff)
-    first = solve_below((math.ceil(cutoff * scale / (1 + CERTIFY_GAP) - 1e-9) - 1) / scale)
-    if first.orders is not None or not first.optimal:
-        return first  # an order within the gap, or the time ran out
-    gap_proved = replace(first, optimal=False)  # the bound within the gap of tune's best, not the shape's optimum
-    if time_left() <= 0:
-        return gap_proved
-    then = solve_below(cutoff)
-    took = first.seconds + then.seconds
-    if then.orders is None and not then.optimal:  # the time ran out: the bound is the greater
-        return replace(gap_proved, bound=max(first.bound, then.bound or 0.0), seconds=took)  # type: ignore[type-var]
-    return replace(then, bound=max(first.bound, then.bound), seconds=took)  # type: ignore[type-var]
 
 
 def _placed_as(ranks: int, chunks: int, placement: str) -> tuple[int, ...]:

@@ -53,7 +53,8 @@ def gap_first(
     comm=0.5, placement loop, one worker: none at or below 61.5 in 3.2 units of deterministic time, none at or
     below 62.5 in 12.8), so a solve that the budget cuts still leaves the run's bound within the gap of tune's
     best. An order found in the first is faster than tune's best by more than the gap, and that solve goes on from
-    it as one at the cutoff would. A shape that holds tune's best is solved below it, then refuted (`probed`)."""
+    it as one at the cutoff would. Otherwise (no cutoff, a shape that holds tune's best, or a bound already
+    within the gap) the solve below the cutoff is `probed`."""
     if math.isinf(cutoff) or own <= cutoff + _EPSILON or known() * (1 + CERTIFY_GAP) >= cutoff:
         return probed(solve_below, time_left, cutoff, scale)
     first = solve_below(below(cutoff, CERTIFY_GAP, scale), 1.0)

@@ -277,7 +277,7 @@ def _solve_shape(
     cutoff = min((_shape_best(tried, other) for other in shapes), default=math.inf)
     share_end = clock.after(clock.left(deadline) * fraction)
 
-    def solve_below(limit: float, share: float = 1.0) -> cpsat.SolverResult:  # in `share` of the share's time left
+    def solve_below(limit: float, share: float) -> cpsat.SolverResult:  # in `share` of the share's time left
         return cpsat.solve(
             template,
             costs,

@@ -14,7 +14,6 @@ neither builds intervals nor reads the solver's bound. What must hold:
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -251,57 +250,6 @@ def test_a_shape_behind_first_proves_the_gap_then_looks_below_tunes_best() -> No
         asked.clear()
         alone = _gap_first(solve_below, lambda: left[0], best, own, lambda known=known: known, 2)
         assert asked == [best] and alone.optimal and alone.makespan == best
-
-
-@pytest.mark.parametrize("slack", [0, 1, 4])
-def test_a_solve_cut_unproved_is_refuted_below_its_best_until_the_best_is_proved(slack: int) -> None:
-    # refutation.probed: the solve below tune's best gets 1 - PROBE_SHARE of the share; cut there unproved (here:
-    # its result made so, with its bound dropped and `slack` units above the optimum), real refutations below its
-    # best / (1 + CERTIFY_GAP), then below its best by one unit, prove the optimum
-    from pipec.tune.refutation import CERTIFY_GAP, PROBE_SHARE, below, probed
-
-    optimum, _ = solve(2, 4, "F=1,I=2,W=1", 2)
-    assert optimum.optimal and optimum.makespan is not None
-    asked: list[tuple[float, float]] = []
-
-    def solve_below(limit: float, share: float) -> cpsat.SolverResult:
-        asked.append((limit, share))
-        found = solve(2, 4, "F=1,I=2,W=1", 2, cutoff=limit)[0]
-        if share == 1 - PROBE_SHARE:  # the first: cut by its time, as if it stopped at an order `slack` units slower
-            assert found.makespan is not None
-            return replace(found, makespan=found.makespan + slack / 2, bound=1.0, optimal=False)
-        return found
-
-    best = optimum.makespan + slack / 2
-    result = probed(solve_below, lambda: 1.0, best + 5, 2)
-    assert asked[0] == (best + 5, 1 - PROBE_SHARE)
-    assert asked[1] == (below(best, CERTIFY_GAP, 2), 1.0) and asked[1][0] < best / (1 + CERTIFY_GAP)
-    assert result.optimal and result.bound == result.makespan == optimum.makespan
-    if slack == 0:  # nothing within the gap, then nothing below the best (unless the same makespan): optimal
-        targets = [below(best, CERTIFY_GAP, 2), best - 0.5]
-        assert [limit for limit, _ in asked[1:]] == sorted(set(targets))
-    # no time left after the solve: its result as it was, unproved
-    asked.clear()
-    cut = probed(solve_below, lambda: 0.0, best + 5, 2)
-    assert len(asked) == 1 and not cut.optimal and cut.makespan == best
-
-
-def test_a_refutation_the_time_cuts_ends_the_probes_and_keeps_the_greater_bound() -> None:
-    from pipec.tune.refutation import PROBE_SHARE, probed
-
-    unproved = cpsat.SolverResult(None, 40.0, 30.0, False, False, cpsat.MODEL_IDEAL, 1.0)
-    unproved = replace(unproved, orders=Program("t", 2, 4, 1, (0, 1), ((),) * 2))
-    asked: list[float] = []
-
-    def solve_below(limit: float, share: float) -> cpsat.SolverResult:
-        asked.append(limit)
-        if share == 1 - PROBE_SHARE:
-            return unproved
-        return cpsat.SolverResult(None, None, 35.0, False, False, cpsat.MODEL_IDEAL, 2.0)  # cut: no order, no proof
-
-    result = probed(solve_below, lambda: 1.0, 50.0, 2)
-    assert asked == [50.0, 39.0]  # 40 / 1.02 = 39.2: the greatest half unit under it
-    assert result.makespan == 40.0 and result.bound == 35.0 and not result.optimal and result.seconds == 3.0
 
 
 # tmp_path is only the working folder of run_main: nothing is written there

@@ -154,15 +154,18 @@ def tune(
     # its solve's timing in what the budget has left (measured at P=8, M=16, X=8, F=I=W=1, comm=0.5: the solver's
     # 74 ran at 75.5 after _closer's 31 s; 18 s were left, and they reach 75)
     leader = min((c for c in tried if c.ok), key=Candidate.key, default=None)
-    chosen: list[tuple[Candidate, tuple]] = [(c, ()) for c in (own_best, leader) if c is not None and c.phase != 4]
+    chosen: list[tuple[Candidate, cpsat.SolverResult | None]] = [
+        (c, None) for c in (own_best, leader) if c is not None and c.phase != 4
+    ]
     if len(chosen) == 2 and chosen[0][0] is chosen[1][0]:
         chosen.pop()
     hopeful = [(c, found) for c, found in unclosed if leader is None or found.makespan < leader.makespan - _EPSILON]
     if hopeful:
-        candidate, found = min(hopeful, key=lambda pair: (pair[1].makespan, pair[0].key()))
-        chosen.append((candidate, (found.timing, found.makespan)))
-    for index, (candidate, timed) in enumerate(chosen):
-        placed, finished = _placed(candidate, setting, clock, clock.share(deadline, len(chosen) - index), *timed)
+        chosen.append(min(hopeful, key=lambda pair: (pair[1].makespan, pair[0].key())))
+    for index, (candidate, found) in enumerate(chosen):
+        timing, target = (None, None) if found is None else (found.timing, found.makespan)
+        share = clock.share(deadline, len(chosen) - index)
+        placed, finished = _placed(candidate, setting, clock, share, timing, target)
         complete = complete and finished
         if placed is not candidate:
             note(placed, "send/recv placement")

@@ -129,12 +129,12 @@ class Clock:
         seconds = max(SOLVER_FLOOR, seconds)
         return seconds * DETERMINISTIC_PER_SECOND, seconds * self.wall_cap
 
-    def run_solver(self, solver, model, seconds: float, ops: int) -> tuple[object, float]:
+    def run_solver(self, solver, model, seconds: float, ops: int, callback=None) -> tuple[object, float]:
         """Run a CP-SAT `solver` on `model` of `ops` ops within `seconds` of the budget, charged for building and
         loading it by its size (`model_seconds`), then the limits of `solver_limits` and the solve's charge. With
         less time than the loading takes, the solver gets its least limits and stops while loading (measured at
         P=16 M=64 V=2: 0.07 s of CPU), so only the build is charged. Returns the solver's status and the seconds of
-        budget the model took, built and solved (deterministic)."""
+        budget the model took, built and solved (deterministic). `callback`: CP-SAT's, told of each solution."""
         built = model_seconds(ops)
         left = seconds - built
         if left < 0:
@@ -143,7 +143,7 @@ class Clock:
         deterministic, wall = self.solver_limits(left)
         solver.parameters.max_deterministic_time = deterministic
         solver.parameters.max_time_in_seconds = wall
-        status = solver.solve(model)
+        status = solver.solve(model, callback)
         solved_in = solver_seconds(solver.response_proto.deterministic_time)
         self.charge(solved_in)
         return status, built + solved_in

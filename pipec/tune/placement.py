@@ -44,6 +44,7 @@ from pipec.tune.cpsat import model_times
 from pipec.tune.instance import exact_times
 
 _EPSILON = 1e-9
+_DIGITS = 9  # times rounded to these decimals (far finer than any model's unit) before they order a stream
 _PLACED_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B})
 
 
@@ -66,6 +67,9 @@ def ahead(
         if set(timing) != set(times):
             return None
         times = {op: (at, at + times[op][1] - times[op][0]) for op, (at, _) in timing.items()}
+    # the stream sorts by these times: an end summed in floats (13.4 + 0.35) must not fall after the start it
+    # equals in the model (13.75), which would put a receive after the compute that consumes it
+    times = {op: (round(start, _DIGITS), round(end, _DIGITS)) for op, (start, end) in times.items()}
     n_mb = orders.microbatches
     where = orders.stage_to_rank
     delay = costs.message_time
@@ -90,7 +94,7 @@ def ahead(
                 continue
             ident = message_id(send, n_mb)
             if timing is not None and timing[action][1] is not None:
-                end = timing[action][1]  # type: ignore[assignment]
+                end = round(timing[action][1], _DIGITS)  # type: ignore[arg-type]
             items[rank].append(((end, 0, end, ident), send))
             consumer = (
                 Action(receive.stage, Kind.F, receive.mb)

@@ -21,10 +21,12 @@ steps close most of that (45.5 there; tests/tune/test_tune_placement.py):
   receive's gap at once: per rank, computes in order with their post holds; per gap, the batch there starts at
   max(posted: the end of the compute before it, the previous gap's batch completed) and completes after each of
   its pairs, a pair at max(both batches' starts) + message_time; a consumer starts after the whole batch holding
-  its receive; a channel's messages keep their order on both sides. Each rule is an inequality whose least
-  solution is what the simulator computes, so the model's optimum is the least nccl makespan over the
-  placements it allows, and the simulator reproduces it (measured at P=4, M=8, V=2, I=2F, comm=0.5, limit 4:
-  51 after the moves, 50.5 after the solve, which proves 50.5 the best within its window).
+  its receive; a channel's messages keep their order on both sides (and, without message time, a pair takes a
+  tick too short to add up to a unit, so that batches waiting on each other in a cycle, a deadlock, have no
+  timing). Each rule is an inequality whose least solution is what the simulator computes, so the model's optimum
+  is the least nccl makespan over the placements it allows, and the simulator reproduces it (measured at P=4,
+  M=8, V=2, I=2F, comm=0.5, limit 4: 51 after the moves, 50.5 after the solve, which proves 50.5 the best within
+  its window).
 """
 
 from __future__ import annotations
@@ -346,10 +348,17 @@ class _Batches:
 
         self.program, self.computes, self.comms = program, computes, comms
         scale, exact, message = exact_times(costs, program.num_stages, (Kind.F, Kind.B, Kind.I, Kind.W))
+        # without message time a cycle of batches waiting on each other (a deadlock under nccl) is a cycle of
+        # zero-length inequalities, which the model would satisfy; a pair then takes one tick, in time units
+        # of ticks more than messages, so that no chain of ticks adds up to a unit (measured at P=4, M=8, V=2,
+        # F=1, I=1.5, W=0.7, limit 4: every placement solved deadlocked, and the moves stopped at 28.1 of 27.85)
+        self.tick = 0 if message > 0 else 1
+        ticks = 1 + sum(len(mine) for mine in comms) if self.tick else 0
+        scale *= max(ticks, 1)
         self.delay = int(message * scale)
         self.post = 0 if costs.overlap else self.delay
         self.index_of = [{op: j for j, op in enumerate(mine)} for mine in computes]
-        self.horizon = top = math.ceil(horizon * scale) + 1
+        self.horizon = top = math.ceil(horizon * scale) + 1 + ticks
         self.model = model = cp_model.CpModel()
         self.start = [[model.new_int_var(0, top, f"c{r}_{j}") for j in range(len(m))] for r, m in enumerate(computes)]
         self.dur = [[int(exact[op.kind][op.stage] * scale) for op in mine] for mine in computes]
@@ -421,7 +430,7 @@ class _Batches:
         done = model.new_int_var(0, self.horizon, f"m{ident}")
         for rank, position in (sender, receiver):
             for g, flag in self.choice[(rank, position)].items():
-                model.add(done >= self.begins[rank][g] + self.delay).only_enforce_if(flag)
+                model.add(done >= self.begins[rank][g] + self.delay + self.tick).only_enforce_if(flag)
                 model.add(self.completes[rank][g] >= done).only_enforce_if(flag)
         rank, position = receiver
         consumer = self._consumer(rank, self.program.streams[rank][position])  # type: ignore[arg-type]

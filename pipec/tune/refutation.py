@@ -12,6 +12,13 @@ M=8, X=2, V=2, I=2F, comm=0.5 the V shape's solve, in 3/4 of its share, stopped 
 the whole share finds and proves 62.5 (the run's bound 62, tune 63: 1.6% became 7.7%); F=2I=2W there went from 64
 against 55 to 65.5 against 53.
 
+Without messages no shape refutes a gap first: the ideal model's optimum is what tune must reach (within 1%), and
+there a refutation near it was measured slower than the solve below tune's best that finds and proves it (P=4,
+M=8, V=2, F=1, I=1.5, W=0.7, one worker, cold: at limit 4 the v shape refutes 27.3 in none of 400 s but finds and
+proves 27.85 in 33; at limit 2 the loop shape refutes 35.1 in 24 s and 35.8 in 33). On the V=2 grid at P=4, M=8
+without messages (the five mixes and that one, limits 2 and 4) tune then proves 11 of 12 optimal where gap first (2%,
+then 1%) proved 9 (not those two, 35.8 and 27.85), and the rest at the same makespans and bounds.
+
 `solve_below(limit, fraction)` is the shape's solve cut off at `limit` in `fraction` of the time its share has
 left (search._solve_shape); results are cpsat.SolverResult, the bound of one merged from every solve it took.
 """

@@ -184,12 +184,12 @@ def _solver_phase(
     workers: int,
 ) -> tuple[Certificate, bool, list[tuple[Candidate, cpsat.SolverResult]]]:
     """Phase 4 with CP-SAT: one model per V of --chunks and placement (loop; v too at V > 1), each warm-started
-    from the best verified order of its shape so far and cut off at tune's best makespan (a shape behind it gap
-    first, pipec.tune.refutation), the time to `deadline` shared among the solves left by weight 1/V^2 (one that proves
-    early leaves its rest to the next). What is left after them goes to the shapes not proved, solved again from
-    the best order then known (up to RESOLVES times; a shape's bound is the greatest of its solves'). Returns the
-    certificate, whether every solve ended, and the solver orders noted still slower under nccl than in the model,
-    each with its solve."""
+    from the best verified order of its shape so far and cut off at tune's best makespan (with messages a shape
+    behind it gap first, pipec.tune.refutation), the time to `deadline` shared among the solves left by weight
+    1/V^2 (one that proves early leaves its rest to the next). What is left after them goes to the shapes not
+    proved, solved again from the best order then known (up to RESOLVES times; a shape's bound is the greatest of
+    its solves'). Returns the certificate, whether every solve ended, and the solver orders noted still slower
+    under nccl than in the model, each with its solve."""
     jobs = [(v, placement) for v in setting.chunks for placement in (("loop", "v") if v > 1 else ("loop",))]
     shapes = {_placed_as(setting.ranks, v, placement) for v, placement in jobs}
     # within a V, the placement whose best order is faster first: the cutoff of the other is then the tighter
@@ -311,7 +311,10 @@ def _solve_shape(
 
     scale = exact_times(costs, len(where), KINDS)[0]
     own = _shape_best(tried, where)  # the shape's best so far (nothing is noted until the end)
-    found = gap_first(solve_below, lambda: clock.left(share_end), cutoff, own, known, scale)
+    if setting.costs.message_time > 0:
+        found = gap_first(solve_below, lambda: clock.left(share_end), cutoff, own, known, scale)
+    else:  # the ideal model: its optimum is sought at once (pipec.tune.refutation says why)
+        found = solve_below(cutoff, 1.0)
     took = found.seconds + (before.seconds if before is not None else 0.0)
     if found.infeasible:
         proofs[job] = Proof(v, placement, math.inf, True, took)

@@ -252,6 +252,25 @@ def test_a_shape_behind_first_proves_the_gap_then_looks_below_tunes_best() -> No
         assert asked == [best] and alone.optimal and alone.makespan == best
 
 
+@pytest.mark.parametrize("comm", [0, 0.5])
+def test_only_with_messages_a_shape_behind_refutes_a_gap_first(comm: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    # without messages the ideal model's optimum is sought at once (pipec.tune.refutation: measured faster there)
+    from pipec.tune import search
+
+    shapes: list[float] = []
+    real = search.gap_first
+
+    def counted(*args, **kwargs):
+        shapes.append(args[2])  # the cutoff
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(search, "gap_first", counted)
+    setting = Setting(2, 4, parse_costs(f"F=1,I=2,W=1,comm={comm}"), 2, (2,))
+    result = tune(setting, library_sources(), time_budget=20)
+    assert result.certificate is not None and len(result.certificate.proofs) == 2  # both placements solved
+    assert (len(shapes) > 0) == (comm > 0)
+
+
 # tmp_path is only the working folder of run_main: nothing is written there
 @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 @given(i=st.sampled_from([1, 2]), w=st.sampled_from([1, 2]), limit=st.sampled_from([1, 1.5]))

@@ -24,7 +24,7 @@ def instance(ranks: int, microbatches: int, cost: str, limit: float) -> Instance
     return Instance(template, costs, limit, costs.input_fraction, None)
 
 
-@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ranks=st.integers(2, 3),
     microbatches=st.integers(2, 4),

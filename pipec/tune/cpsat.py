@@ -414,9 +414,9 @@ def solve(
         if (s, k, m + 1) in posts:
             model.add(posts[(s, k, m + 1)] >= posted + post)
     makespan = model.new_int_var(0, horizon, "makespan")
-    # a rank starts no earlier than its first forward can, then runs all its work and posts one at a time (the LP
-    # lacks it: at loose memory its bound stayed far below); the idle bound is where the search stops (_stopper)
-    model.add(makespan >= max(inst.rank_bound(), inst.memory_bound()))
+    # the LP lacks these (at loose memory its bound stayed far below); the search stops at the cheap one (_stopper)
+    floor, cheap = inst.bounds()
+    model.add(makespan >= floor)
     befores: list[tuple] = []  # (Boolean, op a, op b): a starts before b, to hint
     lengths = _memory(model, inst, start, makespan, befores) if inst.limit is not None else []
     for op in ops:
@@ -433,17 +433,17 @@ def solve(
     if hint is not None or hint_timing is not None:
         _hint(model, inst, hint, hint_timing, limit_units, start, posts, lengths, befores, makespan)
     solver = _solver(cp_model, compute_ops(template), workers, seed)
-    stopper = _stopper(cp_model, inst.cheap_bound()) if late is None else None
+    stopper = _stopper(cp_model, cheap) if late is None else None
     status, took = clock.run_solver(solver, model, seconds, compute_ops(template), stopper)
     if executed and status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):  # a restriction proves nothing
         return SolverResult(None, None, None, False, False, inst.model, took)
     if status == cp_model.INFEASIBLE and late is None:
         if limit_units is not None:  # no order within the cutoff: every one is slower in the model
-            beyond = max(limit_units + 1, inst.cheap_bound()) / inst.scale
+            beyond = max(limit_units + 1, cheap) / inst.scale
             return SolverResult(None, None, beyond, True, False, inst.model, took)
         return SolverResult(None, None, None, False, True, inst.model, took)
     # a solve stopped before its own bound passed the cheap one (per rank, memory) still has that one
-    bound = max(math.ceil(solver.best_objective_bound - 1e-6), inst.cheap_bound()) / inst.scale
+    bound = max(math.ceil(solver.best_objective_bound - 1e-6), cheap) / inst.scale
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         known = bound if status == cp_model.UNKNOWN and late is None else None  # `late` maximises: no makespan bound
         return SolverResult(None, None, known, False, False, inst.model, took)

@@ -160,9 +160,15 @@ class Instance:
             best = max(best, self.chain_to(s) + work + idle)
         return best
 
+    def bounds(self) -> tuple[int, int]:
+        """(the larger of the per-rank and the memory bound, which a solver's model holds its makespan to; the cheap
+        bound, that or the idle one, where a solve may stop)."""
+        floor = max(self.rank_bound(), self.memory_bound())
+        return floor, max(floor, self.idle_bound())
+
     def cheap_bound(self) -> int:
         """A lower bound without solving: the per-rank one, the memory one or the idle one, the largest."""
-        return max(self.rank_bound(), self.memory_bound(), self.idle_bound())
+        return self.bounds()[1]
 
     def ops(self) -> list[tuple[int, int, int]]:
         return [(s, k, m) for s in range(self.stages) for k in range(3) for m in range(self.n_mb)]

@@ -352,9 +352,9 @@ class _Batches:
         # zero-length inequalities, which the model would satisfy; a pair then takes one tick, in time units
         # of ticks more than messages, so that no chain of ticks adds up to a unit (measured at P=4, M=8, V=2,
         # F=1, I=1.5, W=0.7, limit 4: every placement solved deadlocked, and the moves stopped at 28.1 of 27.85)
-        self.tick = 0 if message > 0 else 1
-        ticks = 1 + sum(len(mine) for mine in comms) if self.tick else 0
-        scale *= max(ticks, 1)
+        ticks = 0 if message > 0 else 1 + sum(len(mine) for mine in comms)  # a unit's ticks (none: not needed)
+        self.tick = 1 if ticks else 0
+        scale *= ticks or 1
         self.delay = int(message * scale)
         self.post = 0 if costs.overlap else self.delay
         self.index_of = [{op: j for j, op in enumerate(mine)} for mine in computes]

@@ -309,6 +309,24 @@ def model_times(orders: Program, costs: Costs) -> dict[Action, tuple[float, floa
     }
 
 
+def _sequences(model, inst: Instance, start: dict, ready: dict, posts: dict, per_rank: list) -> None:
+    """The order constraints: each op after its inputs (across ranks when its message is `ready`), one op or post
+    of a rank at a time, and each stage's ops of one kind and its posts of one kind in micro-batch order (without
+    loss, module docstring "symmetry")."""
+    for op in inst.ops():
+        for p in inst.inputs(*op):
+            model.add(start[op] >= (ready[p] if inst.crosses(p, op) else start[p] + inst.dur[p[0]][p[1]]))
+    for intervals in per_rank:
+        model.add_no_overlap(intervals)
+    for s, k, m in inst.ops():
+        if m + 1 < inst.n_mb:
+            model.add(start[(s, k, m + 1)] >= start[(s, k, m)] + inst.dur[s][k])
+    post = inst.delay if inst.model == MODEL_POSTED else 0
+    for (s, k, m), posted in posts.items():
+        if (s, k, m + 1) in posts:
+            model.add(posts[(s, k, m + 1)] >= posted + post)
+
+
 def _stopper(cp_model, stop_at: int):
     """A CP-SAT solution callback that stops the search at an order of makespan `stop_at` (in the model's units) or
     less: a lower bound the model does not hold, so that order is optimal. The idle bound (Instance.idle_bound) is
@@ -355,6 +373,7 @@ def solve(
     hint_timing: Mapping[Action, tuple[float, float | None]] | None = None,
     clock: Clock | None = None,
     executed: bool = False,
+    known: float = 0.0,
 ) -> SolverResult:
     """The least-makespan compute orders for `template`'s P, M, V and placement (module docstring), within
     `seconds` of the budget. `hint`: per-rank compute orders to start from (the best tune has). `workers`:
@@ -369,7 +388,8 @@ def solve(
     a solve's own timing (SolverResult.timing) to start from instead, for `late` (`_hinted_times` says why).
     `clock`: the budget's (pipec.tune.clock), charged for the model built and solved, the same idle or loaded.
     `executed`: the model restricted towards nccl's, to find orders nccl runs as timed (`_transfers`); its bound
-    is of that restriction, never of every schedule, so the result has none."""
+    is of that restriction, never of every schedule, so the result has none. `known`: a lower bound already
+    proved for this V and placement (pipec.tune.relaxation's): the search stops there, and the bound is at least it."""
     from ortools.sat.python import cp_model
 
     clock = clock or Clock()
@@ -402,20 +422,11 @@ def solve(
         else:
             ready[op] = end + (inst.delay if inst.sends(op) else 0)
     moving = _transfers(model, inst, ready, horizon) if executed and inst.delay > 0 else {}
-    for op in ops:
-        for p in inst.inputs(*op):
-            model.add(start[op] >= (ready[p] if inst.crosses(p, op) else start[p] + inst.dur[p[0]][p[1]]))
-    for intervals in per_rank:
-        model.add_no_overlap(intervals)
-    for s, k, m in ops:  # counter order, without loss (module docstring, "symmetry")
-        if m + 1 < inst.n_mb:
-            model.add(start[(s, k, m + 1)] >= start[(s, k, m)] + inst.dur[s][k])
-    for (s, k, m), posted in posts.items():  # and each channel's posts in that order (module docstring)
-        if (s, k, m + 1) in posts:
-            model.add(posts[(s, k, m + 1)] >= posted + post)
+    _sequences(model, inst, start, ready, posts, per_rank)
     makespan = model.new_int_var(0, horizon, "makespan")
     # the LP lacks these (at loose memory its bound stayed far below); the search stops at the cheap one (_stopper)
     floor, cheap = inst.bounds()
+    cheap = max(cheap, math.ceil(known * inst.scale - 1e-6))
     model.add(makespan >= floor)
     befores: list[tuple] = []  # (Boolean, op a, op b): a starts before b, to hint
     lengths = _memory(model, inst, start, makespan, befores) if inst.limit is not None else []

@@ -50,6 +50,7 @@ from pipec.tune.greedy import listed_orders
 from pipec.tune.instance import KINDS, exact_times
 from pipec.tune.moves import local_moves
 from pipec.tune.refutation import gap_first
+from pipec.tune.relaxation import shape_bound
 from pipec.tune.setting import Setting
 from pipec.tune.space import Draw, draws
 
@@ -61,6 +62,7 @@ RESOLVE_SECONDS = 2.0  # the least time for a solve again (less gets no further 
 OWN_SHARE = 0.5  # of a shape's share left after its proof that it cannot win, for its own optimum (_solve_shape)
 LATE_SEEDS = 4  # the most `late` re-solves (one a seed) that _closer tries for an order nccl runs slower
 LATE_SECONDS = 3.0  # the least time for one of them (measured: 1 s often stops short of the latest orders)
+RELAXATION_SHARE = 0.2  # of a shape's share at V > 1, for its one-rank bound before its solve (pipec.tune.relaxation)
 PLACEMENT_SHARE = 0.1  # of the budget, kept from phase 3 for placing the best order's send/recv (_placed)
 _EPSILON = 1e-9  # a makespan gain below it is no gain
 
@@ -264,14 +266,7 @@ def _solve_shape(
     v, placement = job
     name = "cpsat" if placement == "loop" else "cpsat-v"
     where = _placed_as(setting.ranks, v, placement)
-    template = Program(
-        name="tuned",
-        ranks=setting.ranks,
-        microbatches=setting.microbatches,
-        chunks=v,
-        stage_to_rank=where,
-        streams=((),) * setting.ranks,
-    )
+    template = Program("tuned", setting.ranks, setting.microbatches, v, where, ((),) * setting.ranks)
     # of one copy only: a replicated schedule placed alike (dualpipe, placement v) is another model's order
     shape = [c for c in tried if _one_copy_placed_as(c, where)]
     hint = min(shape, key=Candidate.key).program.compute_streams() if shape else None  # type: ignore[union-attr]
@@ -290,6 +285,12 @@ def _solve_shape(
     # no order slower than tune's best of the solver's shapes can win: the solve looks only below it
     cutoff = min((_shape_best(tried, other) for other in shapes), default=math.inf)
     share_end = clock.after(clock.left(deadline) * fraction)
+    relaxed = before.bound if before is not None and before.bound is not None else 0.0
+    relaxed_model, relaxed_in = None, 0.0
+    if not again and v > 1:  # the bound of one rank at a time, a part of the share (measured where it pays: V > 1)
+        began, problem = clock.now(), (template, costs, setting.limit, setting.costs.input_fraction, sizes)
+        relaxed, relaxed_model = shape_bound(*problem, clock.left(share_end) * RELAXATION_SHARE, clock)
+        relaxed_in = clock.now() - began
 
     def solve_below(limit: float, share: float) -> cpsat.SolverResult:  # in `share` of the share's time left
         return cpsat.solve(
@@ -304,18 +305,21 @@ def _solve_shape(
             workers,
             cutoff=None if math.isinf(limit) else limit,
             clock=clock,
+            known=relaxed,
         )
 
-    def known() -> float:  # the shape's bound so far: its last solve's, or the cheap one
-        return max(before.bound if before is not None and before.bound is not None else 0.0, cheap_bound())
+    def known() -> float:  # the shape's bound so far: its last solve's, or the cheap or one-rank one
+        return max(relaxed, cheap_bound())
 
     scale = exact_times(costs, len(where), KINDS)[0]
     own = _shape_best(tried, where)  # the shape's best so far (nothing is noted until the end)
-    if setting.costs.message_time > 0:
+    if relaxed_model is not None and relaxed > cutoff + _EPSILON:  # no order of it reaches tune's best: proved
+        found = cpsat.SolverResult(None, None, relaxed, True, False, relaxed_model, 0.0)
+    elif setting.costs.message_time > 0:
         found = gap_first(solve_below, lambda: clock.left(share_end), cutoff, own, known, scale)
     else:  # the ideal model: its optimum is sought at once (pipec.tune.refutation says why)
         found = solve_below(cutoff, 1.0)
-    took = found.seconds + (before.seconds if before is not None else 0.0)
+    took = found.seconds + relaxed_in + (before.seconds if before is not None else 0.0)
     if found.infeasible:
         proofs[job] = Proof(v, placement, math.inf, True, took)
         note(Candidate(name, (), v, None, None, None, ERROR, "no order fits the limit (proved)", phase=4), "solver")

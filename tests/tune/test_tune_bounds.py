@@ -15,7 +15,9 @@ from test_tune_exact import brute_force
 from pipec.ir import Program, loop_placement
 from pipec.sim.costs import parse_costs
 from pipec.tune import Setting, cpsat
+from pipec.tune.clock import Clock
 from pipec.tune.instance import Instance
+from pipec.tune.relaxation import one_rank_bound
 
 
 def instance(ranks: int, microbatches: int, cost: str, limit: float) -> Instance:
@@ -47,7 +49,10 @@ def test_no_bound_exceeds_the_least_makespan_of_any_schedule(
     if ideal is None:
         return
     least = ideal if comm == 0 else nccl
-    for bound in (inst.rank_bound(), inst.memory_bound(), inst.idle_bound(), inst.cheap_bound()):
+    bounds = [inst.rank_bound(), inst.memory_bound(), inst.idle_bound(), inst.cheap_bound()]
+    if cpsat.available() is None:  # the one-rank relaxation's optimum (pipec.tune.relaxation)
+        bounds.append(one_rank_bound(inst, 20, Clock()))
+    for bound in bounds:
         assert bound / inst.scale <= least + 1e-9
 
 
@@ -71,3 +76,21 @@ def test_the_idle_bound_is_the_optimum_where_the_others_fall_short(
         setting = Setting(ranks, microbatches, parse_costs(cost), limit, (1,))
         found = cpsat.solve(inst.template, setting.stage_costs(1), limit, setting.costs.input_fraction, None, 20)
         assert (found.makespan, found.bound, found.optimal) == (pytest.approx(ideal), pytest.approx(ideal), True)
+
+
+@pytest.mark.skipif(cpsat.available() is not None, reason="needs OR-tools")
+@pytest.mark.parametrize(
+    ("ranks", "microbatches", "cost", "limit"),
+    [
+        (3, 3, "F=1,I=2,W=1", 1),  # the one-rank bound 30, the cheap one 25
+        (3, 4, "F=1,I=1,W=2,comm=0.5", 1.5),  # 34 against 27
+    ],
+)
+def test_the_one_rank_bound_is_the_optimum_where_the_cheap_ones_fall_short(
+    ranks: int, microbatches: int, cost: str, limit: float
+) -> None:
+    inst = instance(ranks, microbatches, cost, limit)
+    ideal, nccl = brute_force(ranks, microbatches, cost, limit, nccl="comm" in cost)
+    least = nccl if "comm" in cost else ideal
+    assert one_rank_bound(inst, 20, Clock()) / inst.scale == pytest.approx(least)
+    assert inst.cheap_bound() / inst.scale < least - 1e-9

@@ -297,3 +297,22 @@ def test_a_shape_that_cannot_win_gets_its_own_optimum_proved_as_the_brute_force_
     code, text, err = run_main([*argv, "--time-budget", "8"], tmp_path)
     assert code == 0 and f"V=1 loop at {v1_optimum:g} (row {optima[1, 'loop']['row']})" in text
     assert "the best of another shape, proved optimal for it: " in text
+
+
+def test_a_shape_at_v2_keeps_its_one_rank_bound_when_its_solve_gets_no_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    # search._solve_shape: at V > 1 the one-rank bound (pipec.tune.relaxation) is computed before the solve; with
+    # the solve starved its bound is the cheap one (24.5 loop, 21 v), the one-rank bound is 32 and 28
+    from pipec.tune import search
+
+    real = search.cpsat.solve
+
+    def starved(template, costs, limit, input_fraction, sizes, seconds, *args, **kwargs):
+        return real(template, costs, limit, input_fraction, sizes, 0.0, *args, **kwargs)
+
+    monkeypatch.setattr(search.cpsat, "solve", starved)
+    setting = Setting(2, 4, parse_costs("F=1,I=2,W=1,comm=0.5"), 1, (2,))
+    result = tune(setting, library_sources(), time_budget=20)
+    assert result.certificate is not None and result.best is not None
+    bounds = {proof.placement: proof.bound for proof in result.certificate.proofs}
+    assert bounds["loop"] >= 32 - 1e-9 and bounds["v"] >= 28 - 1e-9
+    assert result.best.makespan >= 28 - 1e-9

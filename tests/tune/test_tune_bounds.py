@@ -49,10 +49,7 @@ def test_no_bound_exceeds_the_least_makespan_of_any_schedule(
     if ideal is None:
         return
     least = ideal if comm == 0 else nccl
-    bounds = [inst.rank_bound(), inst.memory_bound(), inst.idle_bound(), inst.cheap_bound()]
-    if cpsat.available() is None:  # the one-rank relaxation's optimum (pipec.tune.relaxation)
-        bounds.append(one_rank_bound(inst, 20, Clock()))
-    for bound in bounds:
+    for bound in (inst.rank_bound(), inst.memory_bound(), inst.idle_bound(), inst.cheap_bound()):
         assert bound / inst.scale <= least + 1e-9
 
 
@@ -83,7 +80,10 @@ def test_the_idle_bound_is_the_optimum_where_the_others_fall_short(
     ("ranks", "microbatches", "cost", "limit"),
     [
         (3, 3, "F=1,I=2,W=1", 1),  # the one-rank bound 30, the cheap one 25
-        (3, 4, "F=1,I=1,W=2,comm=0.5", 1.5),  # 34 against 27
+        (3, 3, "F=1,I=1,W=2,comm=0.5", 1),  # 30 against 24.5
+        (2, 4, "F=1,I=2,W=1,comm=0.5", 1),  # 32 against 25
+        (2, 4, "F=1,I=1,W=1,comm=0.5", 1.5),  # 21 against 18
+        (3, 3, "F=1,I=1,W=1,comm=0.5", 1.5),  # 25 against 20.5 (of 160 such settings it is never above, 149 equal)
     ],
 )
 def test_the_one_rank_bound_is_the_optimum_where_the_cheap_ones_fall_short(

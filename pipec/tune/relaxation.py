@@ -91,17 +91,18 @@ def one_rank_bound(inst: Instance, seconds: float, clock: Clock) -> int:
     paths = _paths(inst)
     first = paths[(0, F_INDEX)]  # the earliest start of each op of micro-batch 0
     to_end = {n: max(far[u] + inst.dur[u[0]][u[1]] for u in far) for n, far in paths.items()}
+    # every order's earliest timing ends by it: all ops, each send's post and message, one after the other
+    horizon = sum(inst.dur[s][k] + (2 * inst.delay if inst.sends((s, k, 0)) else 0) for s, k in paths) * inst.n_mb
     best, end = 0, clock.after(seconds)
     for rank in range(inst.ranks):
         mine = [n for n in paths if inst.where[n[0]] == rank]
         if not mine:
             continue
         model = cp_model.CpModel()
-        horizon = sum(inst.dur[s][k] + (2 * inst.delay if inst.sends((s, k, 0)) else 0) for s, k in paths) * inst.n_mb
         makespan = model.new_int_var(0, horizon, "makespan")
         start = _rank_ops(model, inst, paths, mine, first, to_end, makespan, horizon)
         if inst.limit is not None:
-            _rank_memory(model, inst, paths, mine, start, horizon)
+            _rank_memory(model, inst, mine, start, horizon)
         model.minimize(makespan)
         solver = cp_model.CpSolver()
         solver.parameters.num_workers = 1
@@ -153,9 +154,10 @@ def _rank_ops(model, inst: Instance, paths, mine: list[Node], first, to_end, mak
     return start
 
 
-def _rank_memory(model, inst: Instance, paths, mine: list[Node], start: dict, horizon: int) -> None:
+def _rank_memory(model, inst: Instance, mine: list[Node], start: dict, horizon: int) -> None:
     """The rank's activations within the limit, as cpsat's `_memory` counts them: micro-batch m of stage s holds
-    what its I frees from F's start to I's start and the rest from F's start to W's start."""
+    what its I frees from F's start to I's start and the rest from F's start to W's start, each at least the chain
+    of work between them (`Instance.chain`, as the full model's lifetimes)."""
     intervals, demands = [], []
     for s in sorted({node[0] for node in mine}):
         for k in (I_INDEX, W_INDEX):
@@ -164,7 +166,7 @@ def _rank_memory(model, inst: Instance, paths, mine: list[Node], start: dict, ho
                 continue
             for m in range(inst.n_mb):
                 lo, hi = start[((s, F_INDEX), m)], start[((s, k), m)]
-                length = model.new_int_var(paths[(s, F_INDEX)][(s, k)], horizon, f"h{s},{k},{m}")
+                length = model.new_int_var(inst.chain(s, k), horizon, f"h{s},{k},{m}")
                 intervals.append(model.new_interval_var(lo, length, hi, f"l{s},{k},{m}"))
                 demands.append(demand)
     model.add_cumulative(intervals, demands, inst.limit)

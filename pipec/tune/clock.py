@@ -52,12 +52,20 @@ BUILD_SECONDS_PER_OP = 80e-6  # building one CP-SAT model (cpsat.solve before th
 # CPU seconds at P=16 M=64 V=2, 6144 ops; about 1.8 s at P=8 M=24 V=4, 2304 ops): about quadratic in the ops
 LOAD_SECONDS_PER_SQUARED_OP = 3e-7
 NODE_SECONDS = 20e-6  # one node of the branch and bound (exact.py), its leaves' simulations spread over them
-# CP-SAT's deterministic time per CPU second of its solve, here, one worker: 0.52 in tune's warm-started solve of
-# P=8 M=24 X=4 I=2F (proved in 3.7 units); cold solves of 2 to 15 s: 0.90 (that model), 0.89 (P=8 M=16 X=4 W=2F),
-# 0.86 (P=4 M=8 X=2 V=2 placement v), 0.55 (P=8 M=24 X=4 I=2F comm=0.5), 0.30 (P=4 M=8 X=4 comm=0.5, proved in
-# 1.8 s). Near the warm-started and the messages' ratios, which are tune's solves: a solve given s seconds then
-# runs about s CPU seconds; one of a cold model without messages stops at about two thirds of them.
-DETERMINISTIC_PER_SECOND = 0.6
+# CP-SAT's deterministic time per CPU second of its solve, here, one worker. The solves that run to their limit
+# (where the rate decides what a budget buys) do 1.0 to 1.45 units a CPU second, measured idle on tune's own
+# solves (issue #23's thirteenth round): 1.40-1.43 (P=4 M=8 X=2 V=2 W=2F comm=0.5, placement v), 1.18 (P=8 M=24
+# X=4 F=I=W=1 comm=0.5), 1.02 (P=8 M=24 X=4 I=2F comm=0.5), 0.99-1.18 (P=8 M=24 X=4 I=2F V=2); cold solves 0.82
+# to 1.28. Short solves do fewer (0.2 to 0.7: presolve and probing count little deterministic time), so a run of
+# many of them takes a little longer than its budget (the issue's P=8 M=24 I=2F line over V=1, 2, 4: 131 s of
+# wall for 120). At 0.6 (the rate of short warm-started solves, the earlier value) a run of long solves stopped at
+# 40% to 80% of its budget: 47 s of wall for 120 at the P=4 V=2 case above, 78 to 96 s at P=8 M=24.
+DETERMINISTIC_PER_SECOND = 1.2
+# The send/recv placement solves (pipec/tune/placement.py) do far fewer: 0.21 a CPU second (15 solves, 72.8 s of
+# CPU, at P=4 M=8 X=2 V=2 I=2F comm=0.5); they keep the earlier 0.6, so that they search as far as before (at 1.2
+# they charged a sixth of their CPU and that run took 160 s of wall for 120; at 0.21 they would search a third as
+# far). Their charge under-counts their CPU about threefold, as it did before.
+PLACEMENT_DETERMINISTIC_PER_SECOND = 0.6
 SOLVER_FLOOR = 0.05  # the least solver time given, in seconds of the budget (CP-SAT rejects a limit of zero)
 
 
@@ -123,35 +131,40 @@ class Clock:
     def passed(self, deadline: float) -> bool:
         return self.now() > deadline
 
-    def solver_limits(self, seconds: float) -> tuple[float, float]:
-        """CP-SAT's (max_deterministic_time, max_time_in_seconds) for a solve given `seconds` of the budget: the
-        deterministic limit is what binds (the same work idle or loaded); the wall limit is the wall cap's."""
+    def solver_limits(self, seconds: float, rate: float = DETERMINISTIC_PER_SECOND) -> tuple[float, float]:
+        """CP-SAT's (max_deterministic_time, max_time_in_seconds) for a solve given `seconds` of the budget, at
+        `rate` deterministic units a second: the deterministic limit is what binds (the same work idle or loaded);
+        the wall limit is the wall cap's."""
         seconds = max(SOLVER_FLOOR, seconds)
-        return seconds * DETERMINISTIC_PER_SECOND, seconds * self.wall_cap
+        return seconds * rate, seconds * self.wall_cap
 
-    def run_solver(self, solver, model, seconds: float, ops: int, callback=None) -> tuple[object, float]:
+    def run_solver(
+        self, solver, model, seconds: float, ops: int, callback=None, rate: float = DETERMINISTIC_PER_SECOND
+    ) -> tuple[object, float]:
         """Run a CP-SAT `solver` on `model` of `ops` ops within `seconds` of the budget, charged for building and
         loading it by its size (`model_seconds`), then the limits of `solver_limits` and the solve's charge. With
         less time than the loading takes, the solver gets its least limits and stops while loading (measured at
         P=16 M=64 V=2: 0.07 s of CPU), so only the build is charged. Returns the solver's status and the seconds of
-        budget the model took, built and solved (deterministic). `callback`: CP-SAT's, told of each solution."""
+        budget the model took, built and solved (deterministic). `callback`: CP-SAT's, told of each solution. `rate`:
+        the solve's deterministic units a second of the budget (PLACEMENT_DETERMINISTIC_PER_SECOND for placements)."""
         built = model_seconds(ops)
         left = seconds - built
         if left < 0:
             built, left = BUILD_SECONDS_PER_OP * ops, 0.0
         self.charge(built)
-        deterministic, wall = self.solver_limits(left)
+        deterministic, wall = self.solver_limits(left, rate)
         solver.parameters.max_deterministic_time = deterministic
         solver.parameters.max_time_in_seconds = wall
         status = solver.solve(model, callback)
-        solved_in = solver_seconds(solver.response_proto.deterministic_time)
+        solved_in = solver_seconds(solver.response_proto.deterministic_time, rate)
         self.charge(solved_in)
         return status, built + solved_in
 
 
-def solver_seconds(deterministic_time: float) -> float:
-    """A solve's deterministic time in seconds of the budget (about its CPU seconds here; the same idle or loaded)."""
-    return deterministic_time / DETERMINISTIC_PER_SECOND
+def solver_seconds(deterministic_time: float, rate: float = DETERMINISTIC_PER_SECOND) -> float:
+    """A solve's deterministic time in seconds of the budget at `rate` units a second (about its CPU seconds here;
+    the same idle or loaded)."""
+    return deterministic_time / rate
 
 
 __all__ = [
@@ -164,6 +177,7 @@ __all__ = [
     "LIST_SECONDS_PER_OP",
     "LOAD_SECONDS_PER_SQUARED_OP",
     "NODE_SECONDS",
+    "PLACEMENT_DETERMINISTIC_PER_SECOND",
     "PLACEMENT_SECONDS_PER_OP",
     "SCORE_SECONDS_PER_OP",
     "WALL_CAP",

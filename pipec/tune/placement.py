@@ -41,7 +41,13 @@ from pipec.ir import Action, Instruction, Kind, Program
 from pipec.p2p_rule import consumers, counterpart, message_id, producers, send_for
 from pipec.sim.costs import Costs
 from pipec.sim.simulate import simulate
-from pipec.tune.clock import PLACEMENT_SECONDS_PER_OP, Clock, compute_ops, simulation_seconds
+from pipec.tune.clock import (
+    PLACEMENT_DETERMINISTIC_PER_SECOND,
+    PLACEMENT_SECONDS_PER_OP,
+    Clock,
+    compute_ops,
+    simulation_seconds,
+)
 from pipec.tune.cpsat import model_times
 from pipec.tune.instance import exact_times
 
@@ -295,7 +301,9 @@ def _placement_solve(program: Program, costs: Costs, clock: Clock, seconds: floa
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     ops = compute_ops(program)  # the simulation and the model, charged by size
-    if clock.run_solver(solver, fixed, clock.left(deadline), ops)[0] not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    solved = (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    rate = PLACEMENT_DETERMINISTIC_PER_SECOND  # its own: these solves do few deterministic units a second
+    if clock.run_solver(solver, fixed, clock.left(deadline), ops, rate=rate)[0] not in solved:
         return None
     model = batches.model
     for index in range(len(model.proto.variables)):
@@ -303,7 +311,7 @@ def _placement_solve(program: Program, costs: Costs, clock: Clock, seconds: floa
         model.add_hint(variable, solver.value(variable))
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
-    if clock.run_solver(solver, model, clock.left(deadline), ops)[0] not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    if clock.run_solver(solver, model, clock.left(deadline), ops, rate=rate)[0] not in solved:
         return None
     streams = []
     for rank, mine in enumerate(batches.computes):

@@ -19,7 +19,7 @@ from pipec.ir import Action, Program, loop_placement, parse_instruction
 from pipec.sim.costs import Costs, parse_costs
 from pipec.sim.simulate import simulate
 from pipec.tune import Setting, cpsat
-from pipec.tune.clock import Clock
+from pipec.tune.clock import DETERMINISTIC_PER_SECOND, PLACEMENT_DETERMINISTIC_PER_SECOND, Clock
 from pipec.tune.placement import _Batches, _computes_and_comms, ahead, improve_placement, solve_placement
 from pipec.verify import verify
 
@@ -151,6 +151,39 @@ def test_the_placement_solve_reaches_the_makespan_where_the_moves_stop() -> None
     assert solved is not None and solved.compute_streams() == moved.compute_streams()
     assert all(v.ok for v in verify(solved, "nccl", 2, costs.input_fraction, setting.stage_sizes(2)).verdicts)
     assert simulate(solved, costs, p2p="nccl").makespan == 23
+
+
+class _RateClock(Clock):
+    """A clock that notes each solve's deterministic rate and what the solve was charged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.solves: list[tuple[float, float, float]] = []  # (rate, deterministic time, seconds charged)
+
+    def run_solver(self, solver, model, seconds, ops, callback=None, rate=DETERMINISTIC_PER_SECOND):
+        before = self.now()
+        status, took = super().run_solver(solver, model, seconds, ops, callback, rate=rate)
+        charged = self.now() - before
+        self.solves.append((rate, solver.response_proto.deterministic_time, charged))
+        return status, took
+
+
+def test_the_exact_and_the_placement_solves_buy_and_charge_at_their_own_rates() -> None:
+    # the exact phase's solves do about twice the placement's deterministic units a CPU second (pipec/tune/clock.py):
+    # each is limited and charged at its own rate, the charge its deterministic time over that rate
+    assert PLACEMENT_DETERMINISTIC_PER_SECOND < DETERMINISTIC_PER_SECOND
+    setting = Setting(2, 4, parse_costs("F=1,I=2,W=1,comm=0.5"), 2, (2,))
+    costs = setting.stage_costs(2)
+    template = Program("t", 2, 4, 2, loop_placement(2, 4), ((),) * 2)
+    clock = _RateClock()
+    found = cpsat.solve(template, costs, 2, costs.input_fraction, setting.stage_sizes(2), 10, clock=clock)
+    assert [rate for rate, _, _ in clock.solves] == [DETERMINISTIC_PER_SECOND]
+    clock.solves.clear()
+    assert solve_placement(_moves_placement(found, costs), costs, clock, 10) is not None
+    assert clock.solves and {rate for rate, _, _ in clock.solves} == {PLACEMENT_DETERMINISTIC_PER_SECOND}
+    for rate, deterministic, charged in clock.solves:
+        assert charged >= deterministic / rate - 1e-9
+    assert Clock().solver_limits(2.0, rate=0.25)[0] == 0.5
 
 
 def test_orders_timed_with_one_message_at_a_time_run_at_the_models_makespan() -> None:

@@ -39,10 +39,15 @@ The model, per (V, placement), ops (stage s, kind k in F/I/W, micro-batch m) of 
   loses nothing tune could return; a solve with no order under it proves that bound).
 
 What is exact and what is relaxed: the model is pipec's `ideal` p2p model (with the posting cost when
-`overlap=0`), which never times a compute order later than `nccl` does (nccl also waits for whole batches and
-runs a rank's batches in order). So the solver's bound is a lower bound on the nccl makespan of every schedule of
-that V and placement; at `comm = 0` it is the ideal model's optimum and nccl reaches it when the send/recv
-placement adds no wait; with messages it is the bound of a relaxation (free batching of sends and receives).
+`overlap=0`). Without posting costs it never times a compute order later than `nccl` does (nccl also waits for
+whole batches and runs a rank's batches in order), so the solver's bound is a lower bound on the nccl makespan
+of every schedule of that V and placement; at `comm = 0` it is the ideal model's optimum and nccl reaches it
+when the send/recv placement adds no wait; with messages it is the bound of a relaxation (free batching of sends
+and receives). With posting costs each message here leaves at its own send's post, where nccl moves every send
+of a batch from the batch's post while the host posts them in turn: a schedule batching several sends can beat
+the model (measured, docs/tuning.md's fourteenth round: 34.5 under nccl against 35 proved), and tune's output
+says the bound is for this model, not for nccl. A model that lets a message leave at its batch's post (one
+cumulative per rank) closes that, and was measured far slower.
 An `executed` solve restricts it towards nccl to find orders, never a bound (`_transfers`): each message moves
 on an interval of message_time that a rank's other messages do not overlap (nccl runs a rank's batches in order
 on one stream); tune tries it at V=1 for an optimal order nccl runs slower than the model.

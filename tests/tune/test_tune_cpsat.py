@@ -154,11 +154,21 @@ def test_the_certificate_in_the_table_the_header_and_json(tmp_path: Path) -> Non
     assert proof["bound"] == data["lower_bound"] and proof["solved"] is True and proof["seconds"] > 0
 
 
-def test_with_messages_the_bound_says_it_is_for_a_relaxation(tmp_path: Path) -> None:
-    argv = ["tune", "-P", "2", "-M", "3", "--cost", "F=1,I=1,W=1,comm=0.5", "--memory-limit", "2", "--chunks", "1"]
+@pytest.mark.parametrize(("overlap", "relaxation"), [(0, False), (1, True)])
+def test_with_messages_the_bound_says_what_model_it_is_for(tmp_path: Path, overlap: int, relaxation: bool) -> None:
+    # with overlap=0 a send's post holds its host and the model lets its message go from its own post; nccl moves
+    # every send of a batch when the batch is posted, so a batch of several can beat the model (docs/tuning.md,
+    # fourteenth round: 34.5 under nccl, verified, where the model proved 35): the text says so, and does not
+    # call reaching the bound optimal under nccl. With overlap=1 posting costs nothing: a relaxation of nccl.
+    cost = f"F=1,I=1,W=1,comm=0.5,overlap={overlap}"
+    argv = ["tune", "-P", "2", "-M", "3", "--cost", cost, "--memory-limit", "2", "--chunks", "1"]
     code, text, err = run_main([*argv, "--time-budget", "8"], tmp_path)
     assert code == 0, err
-    assert "the bound is for a relaxation of nccl" in text
+    assert ("the bound is for a relaxation of nccl" in text) is relaxation
+    assert ("the bound is for the posted sends model" in text) is not relaxation
+    assert ("moves the sends of one batch together" in text) is not relaxation
+    if not relaxation:
+        assert "optimal under nccl too" not in text
 
 
 def test_without_or_tools_tune_says_what_it_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -66,7 +66,9 @@ class Certificate:
 
     proofs: tuple[Proof, ...]
     model: str  # the solver's model (cpsat.MODEL_IDEAL or MODEL_POSTED)
-    relaxed: bool  # messages cost time: the model is a relaxation of nccl (sends and receives batch freely)
+    # messages cost time: the model lets sends and receives batch freely (a relaxation of nccl, except that with
+    # posting costs each message leaves at its own send's post, where nccl moves a batch's sends together)
+    relaxed: bool
     skipped: str = ""  # why no solver ran (then proofs is empty)
 
     @property

@@ -219,17 +219,16 @@ def certificate_text(result: TuneResult) -> str:
     if copies > 1:  # a replicated best is outside the bound's space: at or below the bound is no optimality
         reached = "the best runs outside the bound's space"
     relaxed = ""
-    if cert.relaxed and posted:
-        relaxed = (
-            f"\nthe bound is for the {cert.model} model (a message takes its time between producer and consumer "
-            "once its send is posted, each send posted by itself; sends and receives batch freely), not for "
-            f"nccl, which moves the sends of one batch together and can run a batch of several faster; {reached}"
+    if cert.relaxed:
+        model = (
+            f"the {cert.model} model (a message takes its time between producer and consumer once its send is "
+            "posted, each send posted by itself; sends and receives batch freely), not for nccl, which moves the "
+            "sends of one batch together and can run a batch of several faster"
+            if posted
+            else f"a relaxation of nccl ({cert.model} model: a message takes its time between producer and consumer, "
+            "sends and receives batch freely)"
         )
-    elif cert.relaxed:
-        relaxed = (
-            f"\nthe bound is for a relaxation of nccl ({cert.model} model: a message takes its time between producer "
-            f"and consumer, sends and receives batch freely); {reached}"
-        )
+        relaxed = f"\nthe bound is for {model}; {reached}"
     if bound is None:
         return f"lower bound: none over {space} (a solve ended before it had one: per shape {per}){relaxed}"
     makespan = None if best is None else best.makespan

@@ -66,8 +66,8 @@ class Certificate:
 
     proofs: tuple[Proof, ...]
     model: str  # the solver's model (cpsat.MODEL_IDEAL or MODEL_POSTED)
-    # messages cost time: the model lets sends and receives batch freely (a relaxation of nccl, except that with
-    # posting costs each message leaves at its own send's post, where nccl moves a batch's sends together)
+    # messages cost time: the model lets sends and receives batch freely (a relaxation of nccl; with posting
+    # costs the bound's model also posts the sends of one batch together, as nccl moves them)
     relaxed: bool
     skipped: str = ""  # why no solver ran (then proofs is empty)
 

@@ -12,7 +12,8 @@ The model, per (V, placement), ops (stage s, kind k in F/I/W, micro-batch m) of 
 - **variables**: the start of each op, an integer in a unit that divides every duration and the message time
   (exact: no float rounding); with `comm > 0` and `overlap=0`, also the start of each message's *post*: the
   sender's rank spends `message_time` on it (pipec.sim: posting holds the host), after the producer ends;
-- **no-overlap** per rank over its ops and its posts (any order: a rank may wait while another op is ready);
+- **no-overlap** per rank over its ops and its posts (any order: a rank may wait while another op is ready;
+  the batched model below lets posts overlap one another);
 - **precedences**: F(s, m) after F(s-1, m); I(s, m) after F(s, m) and I(s+1, m); W(s, m) after I(s, m); across
   ranks the consumer starts `message_time` after the producer ends (or after the post starts, with posts);
 - **memory**, exactly as pipec/verify/memory.py counts it along each rank's order: F adds the stage's size, I
@@ -43,11 +44,15 @@ What is exact and what is relaxed: the model is pipec's `ideal` p2p model (with 
 whole batches and runs a rank's batches in order), so the solver's bound is a lower bound on the nccl makespan
 of every schedule of that V and placement; at `comm = 0` it is the ideal model's optimum and nccl reaches it
 when the send/recv placement adds no wait; with messages it is the bound of a relaxation (free batching of sends
-and receives). With posting costs each message here leaves at its own send's post, where nccl moves every send
-of a batch from the batch's post while the host posts them in turn: a schedule batching several sends can beat
-the model (measured, docs/tuning.md's fourteenth round: 34.5 under nccl against 35 proved), and tune's output
-says the bound is for this model, not for nccl. A model that lets a message leave at its batch's post (one
-cumulative per rank) closes that, and was measured far slower.
+and receives). With posting costs each message of this *posted* model leaves at its own send's post, where nccl
+posts a run of sends and receives as one batch and moves every message of it from the batch's post while the
+host posts the sends in turn: a batch of several sends can beat the posted model (measured, docs/tuning.md's
+fourteenth round: 34.5 under nccl against 35 proved). So with posting costs the orders come from the posted
+model and the bound from a *batched* one (`solve`): each message leaves at its post, the posts of a rank may
+overlap one another but never an op (a cumulative: an op takes the whole capacity, a post one unit), and each
+post holds its rank for `message_time` at some time after it (its own interval in the no-overlap, so the rank's
+work stays exact). Any nccl schedule is one of it (a batch's posts all at the batch's post, each send's hold
+where nccl's host posts it), so its bound holds for nccl.
 An `executed` solve restricts it towards nccl to find orders, never a bound (`_transfers`): each message moves
 on an interval of message_time that a rank's other messages do not overlap (nccl runs a rank's batches in order
 on one stream); tune tries it at V=1 for an optimal order nccl runs slower than the model.
@@ -67,6 +72,7 @@ from pipec.tune.instance import F_INDEX, I_INDEX, KINDS, MODEL_IDEAL, MODEL_POST
 
 WINDOW = 16  # the most Booleans per forward in the counted memory cut (_counted)
 PROBING_MAX_OPS = 600  # the largest model (3·P·M·V ops) whose presolve probes (_solver says why)
+SEARCH_SHARE = 0.75  # with posting costs, the most of a solve's time the posted model searches in (`solve`)
 WORKERS = 1  # CP-SAT's default here: one worker is deterministic (the same input, the same orders); more are not
 
 
@@ -314,10 +320,10 @@ def model_times(orders: Program, costs: Costs) -> dict[Action, tuple[float, floa
     }
 
 
-def _sequences(model, inst: Instance, start: dict, ready: dict, posts: dict, per_rank: list) -> None:
+def _sequences(model, inst: Instance, start: dict, ready: dict, posts: dict, per_rank: list, apart: int) -> None:
     """The order constraints: each op after its inputs (across ranks when its message is `ready`), one op or post
-    of a rank at a time, and each stage's ops of one kind and its posts of one kind in micro-batch order (without
-    loss, module docstring "symmetry")."""
+    of a rank at a time, and each stage's ops of one kind and its posts of one kind in micro-batch order, `apart`
+    units apart (without loss, module docstring "symmetry")."""
     for op in inst.ops():
         for p in inst.inputs(*op):
             model.add(start[op] >= (ready[p] if inst.crosses(p, op) else start[p] + inst.dur[p[0]][p[1]]))
@@ -326,10 +332,9 @@ def _sequences(model, inst: Instance, start: dict, ready: dict, posts: dict, per
     for s, k, m in inst.ops():
         if m + 1 < inst.n_mb:
             model.add(start[(s, k, m + 1)] >= start[(s, k, m)] + inst.dur[s][k])
-    post = inst.delay if inst.model == MODEL_POSTED else 0
     for (s, k, m), posted in posts.items():
         if (s, k, m + 1) in posts:
-            model.add(posts[(s, k, m + 1)] >= posted + post)
+            model.add(posts[(s, k, m + 1)] >= posted + apart)
 
 
 def _stopper(cp_model, stop_at: int):
@@ -363,41 +368,27 @@ def _solver(cp_model, ops: int, workers: int, seed: int):
     return solver
 
 
-def solve(
+def _solve_model(
     template: Program,
     costs: Costs,
     limit: float | None,
     input_fraction: float,
     stage_sizes: Sequence[float] | None,
     seconds: float,
-    hint: Sequence[Sequence[Action]] | None = None,
-    seed: int = 0,
-    workers: int = WORKERS,
-    late: float | None = None,
-    cutoff: float | None = None,
-    hint_timing: Mapping[Action, tuple[float, float | None]] | None = None,
-    clock: Clock | None = None,
-    executed: bool = False,
-    known: float = 0.0,
+    hint: Sequence[Sequence[Action]] | None,
+    seed: int,
+    workers: int,
+    late: float | None,
+    cutoff: float | None,
+    hint_timing: Mapping[Action, tuple[float, float | None]] | None,
+    clock: Clock,
+    executed: bool,
+    known: float,
+    together: bool,
 ) -> SolverResult:
-    """The least-makespan compute orders for `template`'s P, M, V and placement (module docstring), within
-    `seconds` of the budget. `hint`: per-rank compute orders to start from (the best tune has). `workers`:
-    CP-SAT's parallel portfolio (faster proofs on idle cores, but then not deterministic). Durations must
-    be positive (the memory intervals read a rank's order from distinct start times). `late`: instead, among
-    the orders of makespan at most `late`, one that runs every op as late as it allows (the greatest sum of
-    starts): an optimal order with slack left early can lose time under nccl, where a receive posted with
-    slack joins a batch that a later input holds back. `cutoff`: only orders of model makespan at most this (the
-    best nccl makespan tune has, of any shape): one slower in the model is slower under nccl too, so nothing tune
-    could win is cut; a solve with no order within it proves the bound `cutoff` plus one unit (a result without
-    orders, `optimal` true: the bound is proved; `infeasible` stays for the memory limit's own). `hint_timing`:
-    a solve's own timing (SolverResult.timing) to start from instead, for `late` (`_hinted_times` says why).
-    `clock`: the budget's (pipec.tune.clock), charged for the model built and solved, the same idle or loaded.
-    `executed`: the model restricted towards nccl's, to find orders nccl runs as timed (`_transfers`); its bound
-    is of that restriction, never of every schedule, so the result has none. `known`: a lower bound already
-    proved for this V and placement (pipec.tune.relaxation's): the search stops there, and the bound is at least it."""
+    """One solve of `solve`'s model (its docstring), with `together` the sends of one batch posted together."""
     from ortools.sat.python import cp_model
 
-    clock = clock or Clock()
     inst = Instance(template, costs, limit, input_fraction, stage_sizes)
     if min(min(row) for row in inst.dur) <= 0:
         raise ValueError("the CP-SAT model needs positive durations")
@@ -415,19 +406,29 @@ def solve(
     # when a consumer on another rank may start after each producer's end: + message_time, after its post
     ready: dict[tuple[int, int, int], object] = {}
     posts: dict[tuple[int, int, int], object] = {}
+    batched: list[list] = [[] for _ in range(inst.ranks)]  # `together`: each rank's posts as its messages go
     for op in ops:
         s, k, _ = op
         end = start[op] + inst.dur[s][k]
         if inst.sends(op) and post:
             posted = model.new_int_var(0, horizon, f"p{op}")
             model.add(posted >= end)
-            per_rank[inst.where[s]].append(model.new_fixed_size_interval_var(posted, post, f"q{op}"))
+            held = posted
+            if together:
+                batched[inst.where[s]].append(model.new_fixed_size_interval_var(posted, post, f"b{op}"))
+                held = model.new_int_var(0, horizon, f"h{op}")
+                model.add(held >= posted)
+            per_rank[inst.where[s]].append(model.new_fixed_size_interval_var(held, post, f"q{op}"))
             posts[op] = posted
             ready[op] = posted + inst.delay
         else:
             ready[op] = end + (inst.delay if inst.sends(op) else 0)
     moving = _transfers(model, inst, ready, horizon) if executed and inst.delay > 0 else {}
-    _sequences(model, inst, start, ready, posts, per_rank)
+    _sequences(model, inst, start, ready, posts, per_rank, 0 if together else post)
+    for rank, mine in enumerate(batched):
+        if mine:  # an op takes the whole capacity and a post one unit of it: posts overlap posts, never an op
+            ops_of = per_rank[rank][: len(per_rank[rank]) - len(mine)]
+            model.add_cumulative(ops_of + mine, [len(mine)] * len(ops_of) + [1] * len(mine), len(mine))
     makespan = model.new_int_var(0, horizon, "makespan")
     # the LP lacks these (at loose memory its bound stayed far below); the search stops at the cheap one (_stopper)
     floor, cheap = inst.bounds()
@@ -476,6 +477,64 @@ def solve(
     value = solver.objective_value / inst.scale
     proved = status == cp_model.OPTIMAL or value <= bound  # stopped at the idle bound: optimal as well
     return SolverResult(orders, value, bound, proved, False, inst.model, took, timing)
+
+
+def solve(
+    template: Program,
+    costs: Costs,
+    limit: float | None,
+    input_fraction: float,
+    stage_sizes: Sequence[float] | None,
+    seconds: float,
+    hint: Sequence[Sequence[Action]] | None = None,
+    seed: int = 0,
+    workers: int = WORKERS,
+    late: float | None = None,
+    cutoff: float | None = None,
+    hint_timing: Mapping[Action, tuple[float, float | None]] | None = None,
+    clock: Clock | None = None,
+    executed: bool = False,
+    known: float = 0.0,
+) -> SolverResult:
+    """The least-makespan compute orders for `template`'s P, M, V and placement (module docstring), within
+    `seconds` of the budget. `hint`: per-rank compute orders to start from (the best tune has). `workers`:
+    CP-SAT's parallel portfolio (faster proofs on idle cores, but then not deterministic). Durations must
+    be positive (the memory intervals read a rank's order from distinct start times). `late`: instead, among
+    the orders of makespan at most `late`, one that runs every op as late as it allows (the greatest sum of
+    starts): an optimal order with slack left early can lose time under nccl, where a receive posted with
+    slack joins a batch that a later input holds back. `cutoff`: only orders of model makespan at most this (the
+    best nccl makespan tune has, of any shape): one slower in the model is slower under nccl too, so nothing tune
+    could win is cut; a solve with no order within it proves the bound `cutoff` plus one unit (a result without
+    orders, `optimal` true: the bound is proved; `infeasible` stays for the memory limit's own). `hint_timing`:
+    a solve's own timing (SolverResult.timing) to start from instead, for `late` (`_hinted_times` says why).
+    `clock`: the budget's (pipec.tune.clock), charged for the model built and solved, the same idle or loaded.
+    `executed`: the model restricted towards nccl's, to find orders nccl runs as timed (`_transfers`); its bound
+    is of that restriction, never of every schedule, so the result has none. `known`: a lower bound already
+    proved for this V and placement (pipec.tune.relaxation's): the search stops there, and the bound is at least it.
+
+    With posting costs the orders come from the posted-sends model and the bound from the batched one (module
+    docstring): first the posted solve in at most SEARCH_SHARE of `seconds`, then the batched one, warm from its
+    best and cut off there, in what is left; a result's `bound` and `optimal` are the batched solve's."""
+    clock = clock or Clock()
+    args = (template, costs, limit, input_fraction, stage_sizes)
+    inst = Instance(template, costs, limit, input_fraction, stage_sizes)
+    if inst.model != MODEL_POSTED or late is not None or executed:
+        rest = (hint, seed, workers, late, cutoff, hint_timing, clock, executed, known)
+        return _solve_model(*args, seconds, *rest, together=False)
+    end = clock.after(seconds)
+    found = _solve_model(
+        *args, seconds * SEARCH_SHARE, hint, seed, workers, None, cutoff, hint_timing, clock, False, known, False
+    )
+    if found.infeasible:  # the memory limit alone: no order of either model fits
+        return found
+    best = cutoff if found.makespan is None else found.makespan if cutoff is None else min(cutoff, found.makespan)
+    orders, timing = (found.orders, found.timing) if found.orders is not None else (hint, hint_timing)
+    bound = _solve_model(*args, clock.left(end), orders, seed, workers, None, best, timing, clock, False, known, True)
+    took = found.seconds + bound.seconds
+    if found.orders is None:  # the posted solve found nothing: the batched one's orders, if any, are the result
+        return replace(bound, seconds=took)
+    proved = bound.bound is not None and found.makespan <= bound.bound + 1e-9
+    return replace(found, bound=bound.bound, optimal=proved, seconds=took)
 
 
 __all__ = [

@@ -211,24 +211,23 @@ def certificate_text(result: TuneResult) -> str:
         for p in cert.proofs
     )
     copies = 1 if best is None or best.program is None else best.program.pipelines
-    posted = cert.model == MODEL_POSTED
     reached = "nccl may not reach it"
     if cert.optimal(best.makespan if best is not None else None):
-        # the posted-sends model is no relaxation of a batch of several sends: reaching it proves nothing more
-        reached = "this schedule reaches it under nccl" + ("" if posted else ": optimal under nccl too")
+        reached = "this schedule reaches it under nccl: optimal under nccl too"
     if copies > 1:  # a replicated best is outside the bound's space: at or below the bound is no optimality
         reached = "the best runs outside the bound's space"
     relaxed = ""
     if cert.relaxed:
-        model = (
-            f"the {cert.model} model (a message takes its time between producer and consumer once its send is "
-            "posted, each send posted by itself; sends and receives batch freely), not for nccl, which moves the "
-            "sends of one batch together and can run a batch of several faster"
-            if posted
-            else f"a relaxation of nccl ({cert.model} model: a message takes its time between producer and consumer, "
-            "sends and receives batch freely)"
+        posts = (
+            ", once its send is posted; each send holds its rank for the message time, the sends of one batch "
+            "posted together"
+            if cert.model == MODEL_POSTED
+            else ""
         )
-        relaxed = f"\nthe bound is for {model}; {reached}"
+        relaxed = (
+            f"\nthe bound is for a relaxation of nccl ({cert.model} model: a message takes its time between producer "
+            f"and consumer{posts}; sends and receives batch freely); {reached}"
+        )
     if bound is None:
         return f"lower bound: none over {space} (a solve ended before it had one: per shape {per}){relaxed}"
     makespan = None if best is None else best.makespan

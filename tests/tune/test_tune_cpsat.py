@@ -155,27 +155,24 @@ def test_the_certificate_in_the_table_the_header_and_json(tmp_path: Path) -> Non
     assert proof["bound"] == data["lower_bound"] and proof["solved"] is True and proof["seconds"] > 0
 
 
-@pytest.mark.parametrize(("overlap", "relaxation"), [(0, False), (1, True)])
-def test_with_messages_the_bound_says_what_model_it_is_for(tmp_path: Path, overlap: int, relaxation: bool) -> None:
-    # with overlap=0 a send's post holds its host and the model lets its message go from its own post; nccl moves
-    # every send of a batch when the batch is posted, so a batch of several can beat the model (docs/tuning.md,
-    # fourteenth round: 34.5 under nccl, verified, where the model proved 35): the text says so, and does not
-    # call reaching the bound optimal under nccl. With overlap=1 posting costs nothing: a relaxation of nccl.
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_with_messages_the_bound_says_what_model_it_is_for(tmp_path: Path, overlap: int) -> None:
+    # with overlap=0 a send's post holds its host, and the bound's model posts the sends of one batch together as
+    # nccl moves them (the posted model alone is beaten by a batch of several: the test below); with overlap=1
+    # posting costs nothing. Either way the bound is a relaxation of nccl, and the text says which one.
     cost = f"F=1,I=1,W=1,comm=0.5,overlap={overlap}"
     argv = ["tune", "-P", "2", "-M", "3", "--cost", cost, "--memory-limit", "2", "--chunks", "1"]
     code, text, err = run_main([*argv, "--time-budget", "8"], tmp_path)
     assert code == 0, err
-    assert ("the bound is for a relaxation of nccl" in text) is relaxation
-    assert ("the bound is for the posted sends model" in text) is not relaxation
-    assert ("moves the sends of one batch together" in text) is not relaxation
-    if not relaxation:
-        assert "optimal under nccl too" not in text
+    assert "the bound is for a relaxation of nccl" in text
+    assert ("the sends of one batch posted together" in text) is (overlap == 0)
 
 
-def test_a_batch_of_several_sends_runs_below_the_posted_sends_models_proved_bound(tmp_path: Path) -> None:
-    # why the text above says "not for nccl": this V=2 looped order (found by a model whose messages leave at
-    # their batch's post) posts sends in batches of several, checks within the limit and runs at 34.5 under
-    # nccl, while the posted-sends model, each message leaving at its own send's post, proves 35 for the shape
+def test_a_batch_of_several_sends_beats_the_posted_model_and_the_bound_holds(tmp_path: Path) -> None:
+    # this V=2 looped order (found by a model whose messages leave at their batch's post) posts sends in batches of
+    # several, checks within the limit and runs at 34.5 under nccl, below every order of the posted-sends model
+    # (35, where each message leaves at its own send's post): the bound comes from the model that posts a batch's
+    # sends together, and stays at or below it
     path = Path(__file__).parent / "batched_sends.pipe"
     cost = "F=1,I=1,W=1,comm=0.5"
     code, _, err = run_main(["check", str(path), "--per-rank-share", "--cost", cost, "--memory-limit", "2"], tmp_path)
@@ -190,7 +187,8 @@ def test_a_batch_of_several_sends_runs_below_the_posted_sends_models_proved_boun
     template = Program("t", 3, 6, 2, program.stage_to_rank, ((),) * 3)
     assert template.stage_to_rank == loop_placement(3, 6)
     found = cpsat.solve(template, costs, setting.limit, costs.input_fraction, setting.stage_sizes(2), 60)
-    assert found.optimal and found.makespan == found.bound == 35
+    assert found.makespan == 35  # the posted model's best order
+    assert found.bound is not None and found.bound <= run.makespan and not found.optimal
 
 
 def test_without_or_tools_tune_says_what_it_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -225,7 +223,7 @@ def test_a_late_solve_starts_from_the_solvers_own_timing() -> None:
     # right after their producer, is then slower than its makespan, and a `late` solve hinted with the orders
     # alone had no solution to start from (at P=4, M=8, X=4, V=2, comm=0.5 every `late` solve found nothing)
     found, setting = solve(2, 3, "F=1,I=2,W=1,comm=0.5", 2, chunks=2, placement="v")
-    assert found.optimal and found.orders is not None and found.timing is not None
+    assert found.orders is not None and found.timing is not None
     costs = setting.stage_costs(2)
     earliest = max(end for _, end in cpsat.model_times(found.orders, costs).values())
     assert earliest > found.makespan + 1e-9  # the premise: the orders alone do not give the solver's timing

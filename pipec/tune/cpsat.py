@@ -13,7 +13,7 @@ The model, per (V, placement), ops (stage s, kind k in F/I/W, micro-batch m) of 
   (exact: no float rounding); with `comm > 0` and `overlap=0`, also the start of each message's *post*: the
   sender's rank spends `message_time` on it (pipec.sim: posting holds the host), after the producer ends;
 - **no-overlap** per rank over its ops and its posts (any order: a rank may wait while another op is ready;
-  the batched model below lets posts overlap one another);
+  the batched model below holds each send apart from its post);
 - **precedences**: F(s, m) after F(s-1, m); I(s, m) after F(s, m) and I(s+1, m); W(s, m) after I(s, m); across
   ranks the consumer starts `message_time` after the producer ends (or after the post starts, with posts);
 - **memory**, exactly as pipec/verify/memory.py counts it along each rank's order: F adds the stage's size, I
@@ -48,11 +48,12 @@ and receives). With posting costs each message of this *posted* model leaves at 
 posts a run of sends and receives as one batch and moves every message of it from the batch's post while the
 host posts the sends in turn: a batch of several sends can beat the posted model (measured, docs/tuning.md's
 fourteenth round: 34.5 under nccl against 35 proved). So with posting costs the orders come from the posted
-model and the bound from a *batched* one (`solve`): each message leaves at its post, the posts of a rank may
-overlap one another but never an op (a cumulative: an op takes the whole capacity, a post one unit), and each
-post holds its rank for `message_time` at some time after it (its own interval in the no-overlap, so the rank's
-work stays exact). Any nccl schedule is one of it (a batch's posts all at the batch's post, each send's hold
-where nccl's host posts it), so its bound holds for nccl.
+model and the bound from a *batched* one (`solve`): each message leaves at its send's post, and the send holds
+its rank for `message_time` at or after the post (that hold in the rank's no-overlap, so the rank's work stays
+exact), no op of the rank running between the post and the hold's end (a cumulative: an op takes the whole
+capacity, a send's span from its post to its hold's end one unit, so spans overlap one another). Every nccl
+schedule is one of it (each send posted at its batch's post, held where nccl's host posts it, the batch holding
+only sends and receives), so its bound holds for nccl.
 An `executed` solve restricts it towards nccl to find orders, never a bound (`_transfers`): each message moves
 on an interval of message_time that a rank's other messages do not overlap (nccl runs a rank's batches in order
 on one stream); tune tries it at V=1 for an optimal order nccl runs slower than the model.
@@ -406,7 +407,7 @@ def _solve_model(
     # when a consumer on another rank may start after each producer's end: + message_time, after its post
     ready: dict[tuple[int, int, int], object] = {}
     posts: dict[tuple[int, int, int], object] = {}
-    batched: list[list] = [[] for _ in range(inst.ranks)]  # `together`: each rank's posts as its messages go
+    batched: list[list] = [[] for _ in range(inst.ranks)]  # `together`: each send's span, its post to its hold
     for op in ops:
         s, k, _ = op
         end = start[op] + inst.dur[s][k]
@@ -414,10 +415,11 @@ def _solve_model(
             posted = model.new_int_var(0, horizon, f"p{op}")
             model.add(posted >= end)
             held = posted
-            if together:
-                batched[inst.where[s]].append(model.new_fixed_size_interval_var(posted, post, f"b{op}"))
+            if together:  # its message goes at `posted`; its rank holds it later, no op running in between
                 held = model.new_int_var(0, horizon, f"h{op}")
                 model.add(held >= posted)
+                span = model.new_int_var(post, horizon, f"z{op}")
+                batched[inst.where[s]].append(model.new_interval_var(posted, span, held + post, f"b{op}"))
             per_rank[inst.where[s]].append(model.new_fixed_size_interval_var(held, post, f"q{op}"))
             posts[op] = posted
             ready[op] = posted + inst.delay
@@ -425,10 +427,10 @@ def _solve_model(
             ready[op] = end + (inst.delay if inst.sends(op) else 0)
     moving = _transfers(model, inst, ready, horizon) if executed and inst.delay > 0 else {}
     _sequences(model, inst, start, ready, posts, per_rank, 0 if together else post)
-    for rank, mine in enumerate(batched):
-        if mine:  # an op takes the whole capacity and a post one unit of it: posts overlap posts, never an op
-            ops_of = per_rank[rank][: len(per_rank[rank]) - len(mine)]
-            model.add_cumulative(ops_of + mine, [len(mine)] * len(ops_of) + [1] * len(mine), len(mine))
+    for rank, spans in enumerate(batched):
+        if spans:  # an op takes the whole capacity, a send's span one unit: spans overlap spans, never an op
+            ops_of = per_rank[rank][: len(per_rank[rank]) - len(spans)]
+            model.add_cumulative(ops_of + spans, [len(spans)] * len(ops_of) + [1] * len(spans), len(spans))
     makespan = model.new_int_var(0, horizon, "makespan")
     # the LP lacks these (at loose memory its bound stayed far below); the search stops at the cheap one (_stopper)
     floor, cheap = inst.bounds()

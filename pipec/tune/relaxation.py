@@ -17,8 +17,8 @@ Every schedule of the full model, restricted to the rank, is a schedule of this 
 solver's bound when cut by time) is a lower bound of the full model's makespan, and the largest over ranks is
 one. Each rank's model is small (48 ops and their posts at P=4, M=8, V=2) and CP-SAT closes it in seconds where
 the full model's LP bound stalls: at P=4, M=8, limit 2, V=2, comm=0.5, F=2I=2W, placement v, 57 against the full
-solve's 55 in tune's budget (the optimum is 64). Against tests/tune/test_tune_exact.py's brute force (160 settings
-at P in {2, 3}, M in 2..4) it is never above the least makespan and equal to it in 149.
+solve's 55 in tune's budget (the posted-sends model's optimum is 64). Against tests/tune/test_tune_exact.py's
+brute force (160 settings at P in {2, 3}, M in 2..4) it is never above the least makespan and equal to it in 149.
 """
 
 from __future__ import annotations

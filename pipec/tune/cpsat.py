@@ -369,28 +369,84 @@ def _solver(cp_model, ops: int, workers: int, seed: int):
     return solver
 
 
-def _solve_model(
+def solve(
     template: Program,
     costs: Costs,
     limit: float | None,
     input_fraction: float,
     stage_sizes: Sequence[float] | None,
     seconds: float,
-    hint: Sequence[Sequence[Action]] | None,
-    seed: int,
-    workers: int,
-    late: float | None,
-    cutoff: float | None,
-    hint_timing: Mapping[Action, tuple[float, float | None]] | None,
-    clock: Clock,
-    executed: bool,
-    known: float,
-    together: bool,
+    hint: Sequence[Sequence[Action]] | None = None,
+    seed: int = 0,
+    workers: int = WORKERS,
+    late: float | None = None,
+    cutoff: float | None = None,
+    hint_timing: Mapping[Action, tuple[float, float | None]] | None = None,
+    clock: Clock | None = None,
+    executed: bool = False,
+    known: float = 0.0,
 ) -> SolverResult:
-    """One solve of `solve`'s model (its docstring), with `together` the sends of one batch posted together."""
+    """The least-makespan compute orders for `template`'s P, M, V and placement (module docstring), within
+    `seconds` of the budget. `hint`: per-rank compute orders to start from (the best tune has). `workers`:
+    CP-SAT's parallel portfolio (faster proofs on idle cores, but then not deterministic). Durations must
+    be positive (the memory intervals read a rank's order from distinct start times). `late`: instead, among
+    the orders of makespan at most `late`, one that runs every op as late as it allows (the greatest sum of
+    starts): an optimal order with slack left early can lose time under nccl, where a receive posted with
+    slack joins a batch that a later input holds back. `cutoff`: only orders of model makespan at most this (the
+    best nccl makespan tune has, of any shape): one slower in the model is slower under nccl too, so nothing tune
+    could win is cut; a solve with no order within it proves the bound `cutoff` plus one unit (a result without
+    orders, `optimal` true: the bound is proved; `infeasible` stays for the memory limit's own). `hint_timing`:
+    a solve's own timing (SolverResult.timing) to start from instead, for `late` (`_hinted_times` says why).
+    `clock`: the budget's (pipec.tune.clock), charged for the model built and solved, the same idle or loaded.
+    `executed`: the model restricted towards nccl's, to find orders nccl runs as timed (`_transfers`); its bound
+    is of that restriction, never of every schedule, so the result has none. `known`: a lower bound already
+    proved for this V and placement (pipec.tune.relaxation's): the search stops there, and the bound is at least it.
+
+    With posting costs the orders come from the posted-sends model and the bound from the batched one (module
+    docstring): first the posted solve in at most SEARCH_SHARE of `seconds`, then the batched one, warm from its
+    best and cut off there, in what is left; a result's `bound` and `optimal` are the batched solve's."""
+    clock = clock or Clock()
+    inst = Instance(template, costs, limit, input_fraction, stage_sizes)
+    ask = _Ask(hint, seed, workers, late, cutoff, hint_timing, clock, executed, known, together=False)
+    if inst.model != MODEL_POSTED or late is not None or executed:
+        return _solve_model(inst, template, seconds, ask)
+    end = clock.after(seconds)
+    found = _solve_model(inst, template, seconds * SEARCH_SHARE, ask)
+    if found.infeasible:  # the memory limit alone: no order of either model fits
+        return found
+    best = cutoff if found.makespan is None else found.makespan if cutoff is None else min(cutoff, found.makespan)
+    if found.orders is not None:  # the batched solve starts from the posted one's best
+        ask = replace(ask, hint=found.orders, hint_timing=found.timing)
+    bound = _solve_model(inst, template, clock.left(end), replace(ask, cutoff=best, together=True))
+    took = found.seconds + bound.seconds
+    if found.orders is None:  # the posted solve found nothing: the batched one's orders, if any, are the result
+        return replace(bound, seconds=took)
+    proved = bound.bound is not None and found.makespan <= bound.bound + 1e-9
+    return replace(found, bound=bound.bound, optimal=proved, seconds=took)
+
+
+@dataclass(frozen=True)
+class _Ask:
+    """What one solve of the model is asked (`solve`'s arguments past the problem, and `together`)."""
+
+    hint: Sequence[Sequence[Action]] | None
+    seed: int
+    workers: int
+    late: float | None
+    cutoff: float | None
+    hint_timing: Mapping[Action, tuple[float, float | None]] | None
+    clock: Clock
+    executed: bool
+    known: float
+    together: bool  # the batched model (module docstring): the sends of one batch post together
+
+
+def _solve_model(inst: Instance, template: Program, seconds: float, ask: _Ask) -> SolverResult:
+    """One solve of `solve`'s model (its docstring) for `inst`, the numbers of `template`."""
     from ortools.sat.python import cp_model
 
-    inst = Instance(template, costs, limit, input_fraction, stage_sizes)
+    hint, seed, workers, late, cutoff = ask.hint, ask.seed, ask.workers, ask.late, ask.cutoff
+    hint_timing, clock, executed, known, together = ask.hint_timing, ask.clock, ask.executed, ask.known, ask.together
     if min(min(row) for row in inst.dur) <= 0:
         raise ValueError("the CP-SAT model needs positive durations")
     model = cp_model.CpModel()
@@ -479,64 +535,6 @@ def _solve_model(
     value = solver.objective_value / inst.scale
     proved = status == cp_model.OPTIMAL or value <= bound  # stopped at the idle bound: optimal as well
     return SolverResult(orders, value, bound, proved, False, inst.model, took, timing)
-
-
-def solve(
-    template: Program,
-    costs: Costs,
-    limit: float | None,
-    input_fraction: float,
-    stage_sizes: Sequence[float] | None,
-    seconds: float,
-    hint: Sequence[Sequence[Action]] | None = None,
-    seed: int = 0,
-    workers: int = WORKERS,
-    late: float | None = None,
-    cutoff: float | None = None,
-    hint_timing: Mapping[Action, tuple[float, float | None]] | None = None,
-    clock: Clock | None = None,
-    executed: bool = False,
-    known: float = 0.0,
-) -> SolverResult:
-    """The least-makespan compute orders for `template`'s P, M, V and placement (module docstring), within
-    `seconds` of the budget. `hint`: per-rank compute orders to start from (the best tune has). `workers`:
-    CP-SAT's parallel portfolio (faster proofs on idle cores, but then not deterministic). Durations must
-    be positive (the memory intervals read a rank's order from distinct start times). `late`: instead, among
-    the orders of makespan at most `late`, one that runs every op as late as it allows (the greatest sum of
-    starts): an optimal order with slack left early can lose time under nccl, where a receive posted with
-    slack joins a batch that a later input holds back. `cutoff`: only orders of model makespan at most this (the
-    best nccl makespan tune has, of any shape): one slower in the model is slower under nccl too, so nothing tune
-    could win is cut; a solve with no order within it proves the bound `cutoff` plus one unit (a result without
-    orders, `optimal` true: the bound is proved; `infeasible` stays for the memory limit's own). `hint_timing`:
-    a solve's own timing (SolverResult.timing) to start from instead, for `late` (`_hinted_times` says why).
-    `clock`: the budget's (pipec.tune.clock), charged for the model built and solved, the same idle or loaded.
-    `executed`: the model restricted towards nccl's, to find orders nccl runs as timed (`_transfers`); its bound
-    is of that restriction, never of every schedule, so the result has none. `known`: a lower bound already
-    proved for this V and placement (pipec.tune.relaxation's): the search stops there, and the bound is at least it.
-
-    With posting costs the orders come from the posted-sends model and the bound from the batched one (module
-    docstring): first the posted solve in at most SEARCH_SHARE of `seconds`, then the batched one, warm from its
-    best and cut off there, in what is left; a result's `bound` and `optimal` are the batched solve's."""
-    clock = clock or Clock()
-    args = (template, costs, limit, input_fraction, stage_sizes)
-    inst = Instance(template, costs, limit, input_fraction, stage_sizes)
-    if inst.model != MODEL_POSTED or late is not None or executed:
-        rest = (hint, seed, workers, late, cutoff, hint_timing, clock, executed, known)
-        return _solve_model(*args, seconds, *rest, together=False)
-    end = clock.after(seconds)
-    found = _solve_model(
-        *args, seconds * SEARCH_SHARE, hint, seed, workers, None, cutoff, hint_timing, clock, False, known, False
-    )
-    if found.infeasible:  # the memory limit alone: no order of either model fits
-        return found
-    best = cutoff if found.makespan is None else found.makespan if cutoff is None else min(cutoff, found.makespan)
-    orders, timing = (found.orders, found.timing) if found.orders is not None else (hint, hint_timing)
-    bound = _solve_model(*args, clock.left(end), orders, seed, workers, None, best, timing, clock, False, known, True)
-    took = found.seconds + bound.seconds
-    if found.orders is None:  # the posted solve found nothing: the batched one's orders, if any, are the result
-        return replace(bound, seconds=took)
-    proved = bound.bound is not None and found.makespan <= bound.bound + 1e-9
-    return replace(found, bound=bound.bound, optimal=proved, seconds=took)
 
 
 __all__ = [

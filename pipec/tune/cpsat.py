@@ -414,7 +414,7 @@ def solve(
     found = _solve_model(inst, template, seconds * SEARCH_SHARE, ask)
     if found.infeasible:  # the memory limit alone: no order of either model fits
         return found
-    best = cutoff if found.makespan is None else found.makespan if cutoff is None else min(cutoff, found.makespan)
+    best = cutoff if found.makespan is None else found.makespan  # a found order is within the cutoff
     if found.orders is not None:  # the batched solve starts from the posted one's best
         ask = replace(ask, hint=found.orders, hint_timing=found.timing)
     bound = _solve_model(inst, template, clock.left(end), replace(ask, cutoff=best, together=True))
@@ -464,6 +464,7 @@ def _solve_model(inst: Instance, template: Program, seconds: float, ask: _Ask) -
     ready: dict[tuple[int, int, int], object] = {}
     posts: dict[tuple[int, int, int], object] = {}
     batched: list[list] = [[] for _ in range(inst.ranks)]  # `together`: each send's span, its post to its hold
+    op_intervals = [list(intervals) for intervals in per_rank]  # each rank's ops, before its posts join them
     for op in ops:
         s, k, _ = op
         end = start[op] + inst.dur[s][k]
@@ -483,9 +484,8 @@ def _solve_model(inst: Instance, template: Program, seconds: float, ask: _Ask) -
             ready[op] = end + (inst.delay if inst.sends(op) else 0)
     moving = _transfers(model, inst, ready, horizon) if executed and inst.delay > 0 else {}
     _sequences(model, inst, start, ready, posts, per_rank, 0 if together else post)
-    for rank, spans in enumerate(batched):
+    for ops_of, spans in zip(op_intervals, batched, strict=True):
         if spans:  # an op takes the whole capacity, a send's span one unit: spans overlap spans, never an op
-            ops_of = per_rank[rank][: len(per_rank[rank]) - len(spans)]
             model.add_cumulative(ops_of + spans, [len(spans)] * len(ops_of) + [1] * len(spans), len(spans))
     makespan = model.new_int_var(0, horizon, "makespan")
     # the LP lacks these (at loose memory its bound stayed far below); the search stops at the cheap one (_stopper)

@@ -211,9 +211,11 @@ def certificate_text(result: TuneResult) -> str:
         for p in cert.proofs
     )
     copies = 1 if best is None or best.program is None else best.program.pipelines
-    reached = "nccl may not reach it"
-    if cert.optimal(best.makespan if best is not None else None):
-        reached = "this schedule reaches it under nccl: optimal under nccl too"
+    reached = (
+        "this schedule reaches it under nccl: optimal under nccl too"
+        if cert.optimal(best.makespan if best is not None else None)
+        else "nccl may not reach it"
+    )
     if copies > 1:  # a replicated best is outside the bound's space: at or below the bound is no optimality
         reached = "the best runs outside the bound's space"
     relaxed = ""
